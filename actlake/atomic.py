@@ -1,0 +1,118 @@
+"""Atomic publication: build under a temporary name, fsync, rename into place, make read-only."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+from pathlib import Path
+from typing import Any
+
+from .errors import UnsafePathError
+
+
+def fsync_file(path: Path) -> None:
+    """Flush one file's data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (so a rename inside it is durable)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file, fsync and rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_json_atomic(path: Path, obj: Any, *, indent: int | None = 2) -> None:
+    """Write `obj` as UTF-8 JSON to `path` atomically."""
+    write_bytes_atomic(path, (json.dumps(obj, indent=indent) + "\n").encode("utf-8"))
+
+
+def make_read_only(root: Path) -> None:
+    """Remove write permission from every file and directory under `root` (published = immutable)."""
+    root = Path(root)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in filenames:
+            p = Path(dirpath) / name
+            if not p.is_symlink():
+                p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+    for dirpath, dirnames, filenames in os.walk(root, topdown=False):
+        p = Path(dirpath)
+        p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+
+
+def make_writable(root: Path) -> None:
+    """Give write permission back (used only to delete abandoned temporary directories)."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        Path(dirpath).chmod(Path(dirpath).stat().st_mode | stat.S_IWUSR)
+        for name in filenames:
+            p = Path(dirpath) / name
+            if not p.is_symlink():
+                p.chmod(p.stat().st_mode | stat.S_IWUSR)
+
+
+def remove_tree(root: Path) -> None:
+    """Delete a directory tree, read-only parts included."""
+    if root.exists():
+        make_writable(root)
+        shutil.rmtree(root)
+
+
+def publish_dir(tmp: Path, final: Path, *, read_only: bool = True) -> Path:
+    """Rename a finished temporary directory to its final name, fsyncing files first.
+
+    If `final` already exists (a concurrent writer published identical content first), the
+    temporary directory is discarded and `final` is returned unchanged.
+    """
+    for dirpath, _, filenames in os.walk(tmp):
+        for name in filenames:
+            p = Path(dirpath) / name
+            if not p.is_symlink():
+                fsync_file(p)
+        fsync_dir(Path(dirpath))
+    if read_only:
+        make_read_only(tmp)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if final.exists():
+            remove_tree(tmp)
+            return final
+        raise
+    fsync_dir(final.parent)
+    return final
+
+
+def resolve_inside(root: Path, relative: str, *, source: Path | None = None) -> Path:
+    """Join `relative` (read from a file) to `root`, refusing anything that escapes `root`."""
+    root_resolved = Path(root).resolve()
+    if Path(relative).is_absolute():
+        raise UnsafePathError(f"absolute path {relative!r} is not allowed", source or root)
+    candidate = (root_resolved / relative).resolve()
+    if candidate != root_resolved and root_resolved not in candidate.parents:
+        raise UnsafePathError(f"path {relative!r} escapes the dataset root {root_resolved}", source or root)
+    return candidate

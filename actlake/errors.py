@@ -1,0 +1,77 @@
+"""The one exception hierarchy of actlake: every error a user can cause names the file and the problem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class ActlakeError(Exception):
+    """Root of every error actlake raises on purpose."""
+
+    def __init__(self, message: str, path: str | Path | None = None) -> None:
+        self.path = None if path is None else Path(path)
+        self.problem = message
+        super().__init__(f"{self.path}: {message}" if self.path is not None else message)
+
+
+class FormatError(ActlakeError):
+    """A file on disk does not follow its format's spec (bad JSON, wrong size, missing field...)."""
+
+
+class MissingFileError(FormatError):
+    """A file the format requires is absent."""
+
+
+class MetadataError(FormatError):
+    """A metadata file is not valid JSON, lacks a field, or has a field of the wrong type or value."""
+
+
+class TruncatedFileError(FormatError):
+    """A data file is shorter (or longer) than its metadata says."""
+
+
+class ProtocolVersionError(FormatError):
+    """The directory was written with an incompatible (major) protocol version."""
+
+
+class HashMismatchError(FormatError):
+    """A content-hashed directory's name, or a checksum, does not match its content."""
+
+
+class UnknownFormatError(FormatError):
+    """actlake.open() could not recognise the layout at a path."""
+
+
+class UnsafePathError(FormatError):
+    """A path read from a file would escape the root it must stay under."""
+
+
+class UnsafePickleError(FormatError):
+    """A pickle tried to load something the restricted unpickler does not admit."""
+
+
+class LayerNotStoredError(ActlakeError, KeyError):
+    """A layer was requested that the store does not hold."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return Exception.__str__(self)
+
+
+class SampleIndexError(ActlakeError, IndexError):
+    """A sample index is out of range."""
+
+
+class ConfigError(ActlakeError, ValueError):
+    """A configuration value is invalid (checked when a config object is built)."""
+
+
+class ModelNotFoundError(ActlakeError):
+    """A model could not be found locally (nothing is downloaded at run time)."""
+
+
+class DatasetError(ActlakeError):
+    """A dataset could not be read or is empty."""
+
+
+class RunError(ActlakeError):
+    """A run directory is incomplete or one of its links is broken."""

@@ -1,0 +1,56 @@
+"""A restricted unpickler: admits plain containers and numpy arrays, nothing that can execute code."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import IO, Any
+
+from .errors import UnsafePickleError
+
+_ALLOWED: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("builtins", name)
+        for name in ("dict", "list", "tuple", "set", "frozenset", "str", "bytes", "bytearray",
+                     "int", "float", "complex", "bool", "slice", "range")
+    }
+    | {("collections", "OrderedDict"), ("_codecs", "encode")}
+    | {
+        (module, name)
+        for module in ("numpy.core.multiarray", "numpy._core.multiarray")
+        for name in ("_reconstruct", "scalar")
+    }
+    | {("numpy", "ndarray"), ("numpy", "dtype")}
+    | {("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer")}
+)
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Unpickler whose find_class refuses everything outside a small allow-list."""
+
+    def __init__(self, file: IO[bytes], *, source: str | Path | None = None) -> None:
+        super().__init__(file)
+        self._source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module.startswith("numpy") and name.endswith("DType") and module.endswith("dtypes"):
+            return super().find_class(module, name)  # numpy >= 1.25 pickles dtypes by class
+        raise UnsafePickleError(f"pickle refers to {module}.{name}, which is not allowed", self._source)
+
+
+def safe_load(file: IO[bytes], *, source: str | Path | None = None) -> Any:
+    """Load one pickle from an open binary file with the restricted unpickler."""
+    try:
+        return RestrictedUnpickler(file, source=source).load()
+    except UnsafePickleError:
+        raise
+    except Exception as exc:  # corrupt stream: EOFError, UnpicklingError, ValueError...
+        raise UnsafePickleError(f"cannot unpickle: {type(exc).__name__}: {exc}", source) from exc
+
+
+def safe_loads(data: bytes, *, source: str | Path | None = None) -> Any:
+    """Load one pickle from bytes with the restricted unpickler."""
+    return safe_load(io.BytesIO(data), source=source)
