@@ -58,3 +58,19 @@ class StoreSpec:
             raise ConfigError(f"n_samples must be >= 0, got {self.n_samples}")
         if not 0 <= self.machine_id < self.num_machines:
             raise ConfigError(f"machine_id {self.machine_id} not in [0, {self.num_machines})")
+
+    def content_hash(self) -> str:
+        """sha256 of the canonical JSON of every field but `provenance` (build facts are not identity).
+
+        Formats that are not content-addressed by their own spec name their published
+        directory `<format>-<first 16 hex>` from this, so a rerun with the same arguments finds
+        (and resumes or reuses) the same output.
+        """
+        import dataclasses
+        import hashlib
+        import json
+
+        fields = dataclasses.asdict(self)
+        fields.pop("provenance")
+        blob = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str).encode("utf-8")
+        return hashlib.sha256(blob).hexdigest()
