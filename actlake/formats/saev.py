@@ -366,9 +366,13 @@ class SaevWriter(Writer):
         if self._token_labels and batch.token_labels is None:
             raise ConfigError("this writer stores labels.bin but the batch has no token_labels")
         acts = batch.acts_bltd
-        if t < md.tokens_per_ex or acts.dtype != np.float32 or not acts.flags.c_contiguous:
+        lengths = np.asarray(batch.lengths)
+        padded = bool(b) and int(lengths.min()) < t
+        if t < md.tokens_per_ex or padded or acts.dtype != np.float32 or not acts.flags.c_contiguous:
             full = np.zeros((b, n_layers, md.tokens_per_ex, d), dtype=np.float32)
             full[:, :, :t] = acts
+            if padded:  # padding positions are stored as zeros, whatever the model put there
+                full.transpose(0, 2, 1, 3)[np.arange(md.tokens_per_ex)[None, :] >= lengths[:, None]] = 0
             acts = full
         start = 0
         while start < b:

@@ -1,0 +1,306 @@
+"""saev protocol 2.1: written directories checked against the spec with plain numpy and json."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import pickle
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import actlake
+from actlake.batch import Batch
+from actlake.errors import (
+    ConfigError,
+    HashMismatchError,
+    LayerNotStoredError,
+    MetadataError,
+    MissingFileError,
+    ProtocolVersionError,
+    SampleIndexError,
+    TruncatedFileError,
+    UnsafePickleError,
+)
+from actlake.formats.saev import SaevMetadata, SaevReader, SaevWriter, encode_data, verify
+
+from .conftest import write_saev
+
+SPEC_FIELDS = {"family", "ckpt", "layers", "patches_per_ex", "cls_token", "d_model", "n_examples",
+               "patches_per_shard", "data", "dataset", "dtype", "protocol"}
+
+
+def _acts(rng: np.random.Generator, n: int, n_layers: int, t: int, d: int) -> np.ndarray:
+    return rng.standard_normal((n, n_layers, t, d)).astype(np.float32)
+
+
+def test_directory_matches_spec(tmp_path: Path, rng: np.random.Generator) -> None:
+    acts = _acts(rng, 11, 2, 5, 8)
+    lengths = rng.integers(1, 6, size=11)
+    out = write_saev(tmp_path, acts, layers=(4, 1), lengths=lengths, patches_per_shard=5 * 2 * 4 + 3,
+                     texts=[f"text {i}" for i in range(11)])
+    md = json.loads((out / "metadata.json").read_text())
+    assert set(md) == SPEC_FIELDS
+    assert md["protocol"] == "2.1" and md["dtype"] == "float32"
+    assert md["layers"] == [4, 1]  # the caller's order is the stored order
+    # HASH = full sha256 of the canonical JSON
+    canonical = json.dumps(md, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    assert out.name == hashlib.sha256(canonical).hexdigest()
+    # data is base64 of a pickle of a plain dict
+    assert pickle.loads(base64.b64decode(md["data"])) == {"name": "synthetic"}
+    # section 3 sizing: floor(budget / (tokens_per_ex * L)) = floor(43 / 10) = 4
+    shards = json.loads((out / "shards.json").read_text())
+    assert shards == [{"name": "acts000000.bin", "n_examples": 4}, {"name": "acts000001.bin", "n_examples": 4},
+                      {"name": "acts000002.bin", "n_examples": 3}]
+    # section 4: logical tensor (N, L, T, D) split along examples, C order, float32
+    pieces = [np.fromfile(out / s["name"], dtype="<f4").reshape(s["n_examples"], 2, 5, 8) for s in shards]
+    whole = np.concatenate(pieces)
+    assert np.array_equal(whole, acts * (np.arange(5)[None, None, :, None] < lengths[:, None, None, None]))
+    # offset formula of section 4.2 for one coordinate
+    ex, layer_idx, tok = 9, 0, 2
+    offset = ((ex % 4) * 2 * 5 + layer_idx * 5 + tok) * 8 * 4
+    raw = (out / f"acts{ex // 4:06d}.bin").read_bytes()[offset : offset + 32]
+    assert np.array_equal(np.frombuffer(raw, "<f4"), whole[ex, layer_idx, tok])
+    # documented additions
+    assert np.array_equal(np.fromfile(out / "lengths.bin", "<i4"), lengths)
+    assert np.array_equal(np.fromfile(out / "sample_ids.bin", "<i8"), np.arange(11))
+    lines = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert [x["text"] for x in lines] == [f"text {i}" for i in range(11)]
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_published_directory_is_read_only(tmp_path: Path, rng: np.random.Generator) -> None:
+    out = write_saev(tmp_path, _acts(rng, 3, 1, 2, 4), layers=(0,))
+    assert not os.stat(out).st_mode & stat.S_IWUSR
+    assert not os.stat(out / "acts000000.bin").st_mode & stat.S_IWUSR
+
+
+def test_same_config_is_noop_and_divergent_never_collides(tmp_path: Path, rng: np.random.Generator) -> None:
+    acts = _acts(rng, 4, 1, 3, 4)
+    first = write_saev(tmp_path, acts, layers=(2,))
+    mtime = (first / "acts000000.bin").stat().st_mtime_ns
+    md = SaevReader(first).metadata
+    again = SaevWriter(tmp_path, md)
+    assert again.resume_from == 4
+    again.write_batch(Batch(acts, np.full(4, 3), np.arange(4)))  # ignored
+    assert again.close() == first
+    assert (first / "acts000000.bin").stat().st_mtime_ns == mtime
+    other = write_saev(tmp_path, acts, layers=(3,))
+    assert other != first and other.exists() and first.exists()
+
+
+def test_labels_bin_layout(tmp_path: Path, rng: np.random.Generator) -> None:
+    acts = _acts(rng, 5, 1, 4, 2)  # CLS + 3 patches
+    token_labels = rng.integers(0, 7, size=(5, 4)).astype(np.uint8)
+    out = write_saev(tmp_path, acts, layers=(0,), cls_token=True, family="vit", token_labels=token_labels)
+    raw = np.fromfile(out / "labels.bin", dtype=np.uint8)
+    assert raw.shape == (5 * 3,)  # [n_examples, patches_per_ex]: the CLS token has no label
+    assert np.array_equal(raw.reshape(5, 3), token_labels[:, 1:])
+    reader = actlake.open(out)
+    assert np.array_equal(reader.token_labels[:, 1:], token_labels[:, 1:])
+
+
+def test_full_size_last_shard_is_read(tmp_path: Path, rng: np.random.Generator) -> None:
+    """Upstream writes the last shard zero-padded to full size; both layouts read the same."""
+    acts = _acts(rng, 5, 1, 2, 3)
+    out = write_saev(tmp_path, acts, layers=(0,), patches_per_shard=2 * 3)
+    padded = tmp_path / "padded"
+    padded.mkdir()
+    for f in out.iterdir():
+        (padded / f.name).write_bytes(f.read_bytes())
+    last = padded / "acts000001.bin"
+    last.write_bytes(last.read_bytes() + bytes(1 * 2 * 3 * 4))
+    assert np.array_equal(actlake.open(padded).batch(range(5)).acts_bltd, acts)
+
+
+def test_reader_get_batch_last_token(tmp_path: Path, rng: np.random.Generator) -> None:
+    acts = _acts(rng, 9, 3, 6, 5)
+    lengths = np.array([6, 1, 3, 6, 2, 5, 4, 6, 1])
+    out = write_saev(tmp_path, acts, layers=(7, 2, 5), lengths=lengths, patches_per_shard=6 * 3 * 2)
+    reader = actlake.open(out)
+    assert reader.format == "saev" and reader.layers == (7, 2, 5) and reader.n_samples == 9
+    for s in range(9):
+        for j, layer in enumerate((7, 2, 5)):
+            assert np.array_equal(reader.get(s, layer), acts[s, j, : lengths[s]])
+    assert np.array_equal(reader.last_token(5), acts[np.arange(9), 2, lengths - 1])
+    batch = reader.batch([8, 0, 4], [5, 7])
+    assert np.array_equal(batch.acts_bltd[1, 0], acts[0, 2]) and np.array_equal(batch.acts_bltd[0, 1, :1], acts[8, 0, :1])
+    assert list(batch.lengths) == [1, 6, 2]
+    with pytest.raises(LayerNotStoredError, match="layer 3 is not stored"):
+        reader.get(0, 3)
+    with pytest.raises(SampleIndexError):
+        reader.get(9, 7)
+    with pytest.raises(SampleIndexError):
+        reader.batch([0, 12])
+
+
+def test_newer_upstream_field_names(tmp_path: Path, rng: np.random.Generator) -> None:
+    acts = _acts(rng, 3, 1, 2, 4)
+    out = write_saev(tmp_path, acts, layers=(0,))
+    copy = tmp_path / "upstream"
+    copy.mkdir()
+    for f in out.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    md = json.loads((copy / "metadata.json").read_text())
+    md["content_tokens_per_example"] = md.pop("patches_per_ex")
+    md["max_tokens_per_shard"] = md.pop("patches_per_shard")
+    md["pixel_agg"] = "majority"
+    (copy / "metadata.json").write_text(json.dumps(md))
+    reader = actlake.open(copy)
+    assert reader.max_tokens == 2 and np.array_equal(reader.get(2, 0), acts[2, 0])
+
+
+# ---- hostile input -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def store(tmp_path: Path, rng: np.random.Generator) -> Path:
+    out = write_saev(tmp_path / "root", _acts(rng, 6, 2, 3, 4), layers=(0, 1), patches_per_shard=3 * 2 * 4)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for f in out.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    return copy
+
+
+def _edit_metadata(store: Path, **changes: object) -> None:
+    md = json.loads((store / "metadata.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            md.pop(k)
+        else:
+            md[k] = v
+    (store / "metadata.json").write_text(json.dumps(md))
+
+
+def test_truncated_shard(store: Path) -> None:
+    f = store / "acts000001.bin"
+    f.write_bytes(f.read_bytes()[:-4])
+    with pytest.raises(TruncatedFileError) as info:
+        SaevReader(store)
+    assert info.value.path == f
+
+
+def test_missing_shards_json(store: Path) -> None:
+    (store / "shards.json").unlink()
+    with pytest.raises(MissingFileError, match="shards.json"):
+        actlake.open(store)
+
+
+def test_metadata_not_json(store: Path) -> None:
+    (store / "metadata.json").write_text("{not json")
+    with pytest.raises(MetadataError, match="metadata.json"):
+        SaevReader(store)
+
+
+def test_metadata_missing_field(store: Path) -> None:
+    _edit_metadata(store, d_model=None)
+    with pytest.raises(MetadataError, match="missing field 'd_model'"):
+        SaevReader(store)
+
+
+def test_metadata_wrong_type(store: Path) -> None:
+    _edit_metadata(store, d_model="4")
+    with pytest.raises(MetadataError, match="'d_model'"):
+        SaevReader(store)
+
+
+def test_protocol_3_refused_and_minor_warns(store: Path) -> None:
+    _edit_metadata(store, protocol="3.0")
+    with pytest.raises(ProtocolVersionError):
+        SaevReader(store)
+    _edit_metadata(store, protocol="2.7")
+    with pytest.warns(UserWarning, match="2.7"):
+        SaevReader(store)
+
+
+def test_absurd_sizes_refused_before_allocating(store: Path) -> None:
+    _edit_metadata(store, d_model=1 << 40)
+    with pytest.raises(MetadataError, match="d_model"):
+        SaevReader(store)
+    _edit_metadata(store, d_model=4, n_examples=10**15)
+    with pytest.raises(MetadataError, match="n_examples"):
+        SaevReader(store)
+
+
+def test_labels_wrong_size(store: Path) -> None:
+    (store / "labels.bin").write_bytes(bytes(5))
+    with pytest.raises(TruncatedFileError, match="labels.bin"):
+        SaevReader(store)
+
+
+def test_verify_reports_hash_mismatch(store: Path) -> None:
+    problems = verify(store)
+    assert any("not the metadata hash" in p for p in problems)
+    assert isinstance(HashMismatchError("x"), actlake.errors.FormatError)
+
+
+def test_verify_clean_and_dirty(tmp_path: Path, rng: np.random.Generator) -> None:
+    out = write_saev(tmp_path, _acts(rng, 4, 1, 2, 3), layers=(0,))
+    assert actlake.verify(out) == []
+    problems = verify(out.parent / "missing")
+    assert problems
+
+
+def test_data_field_never_unpickled_unless_asked(tmp_path: Path, store: Path) -> None:
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self) -> tuple:
+            return (os.system, (f"touch {marker}",))
+
+    _edit_metadata(store, data=base64.b64encode(pickle.dumps(Evil())).decode())
+    reader = SaevReader(store)  # opening never unpickles `data`
+    assert reader.n_samples == 6
+    with pytest.raises(UnsafePickleError):
+        reader.data_description()
+    assert not marker.exists()
+
+
+def test_writer_rejects_bad_batches(tmp_path: Path) -> None:
+    md = SaevMetadata(family="gpt2", ckpt="m", layers=(0,), patches_per_ex=3, cls_token=False, d_model=2,
+                      n_examples=2, data=encode_data({}))
+    writer = SaevWriter(tmp_path, md)
+    with pytest.raises(ConfigError):
+        writer.write_batch(Batch(np.zeros((1, 1, 4, 2), np.float32), np.array([4]), np.array([0])))
+    with pytest.raises(ConfigError, match="n_examples"):
+        writer.write_batch(Batch(np.zeros((3, 1, 3, 2), np.float32), np.full(3, 3), np.arange(3)))
+    with pytest.raises(ConfigError, match="smaller than one example"):
+        SaevMetadata(family="gpt2", ckpt="m", layers=(0, 1), patches_per_ex=3, cls_token=False, d_model=2,
+                     n_examples=2, patches_per_shard=5)
+
+
+def test_resume_after_interruption_is_byte_identical(tmp_path: Path, rng: np.random.Generator) -> None:
+    acts = _acts(rng, 10, 2, 3, 4)
+    lengths = rng.integers(1, 4, size=10)
+    md = SaevMetadata(family="gpt2", ckpt="m", layers=(0, 1), patches_per_ex=3, cls_token=False, d_model=4,
+                      n_examples=10, patches_per_shard=3 * 2 * 3, data=encode_data({}))
+
+    def batches(start: int) -> list[Batch]:
+        return [Batch(acts[s : s + 2], lengths[s : s + 2], np.arange(s, min(s + 2, 10)), texts=["x"] * len(range(s, min(s + 2, 10))))
+                for s in range(start, 10, 2)]
+
+    clean = tmp_path / "clean"
+    w = SaevWriter(clean, md)
+    for b in batches(0):
+        w.write_batch(b)
+    clean_out = w.close()
+
+    dirty = tmp_path / "dirty"
+    w = SaevWriter(dirty, md)
+    for b in batches(0)[:3]:  # 6 examples: shards 0 and 1 complete, nothing of shard 2
+        w.write_batch(b)
+    w.abort()
+    assert not (dirty / md.hash).exists()
+    w = SaevWriter(dirty, md)
+    assert w.resume_from == 6
+    for b in batches(6):
+        w.write_batch(b)
+    dirty_out = w.close()
+    for f in sorted(clean_out.iterdir()):
+        assert (dirty_out / f.name).read_bytes() == f.read_bytes(), f.name
+    assert sorted(p.name for p in clean_out.iterdir()) == sorted(p.name for p in dirty_out.iterdir())
