@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import queue
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -101,15 +100,6 @@ class SequenceDataset(Dataset):
         return {"acts": torch.from_numpy(acts), "length": int(x.shape[0]), "sample": sample, "layer": self.layers[j]}
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """One batch to gather: positions into the epoch's row tables."""
-
-    segment: np.ndarray  # int32 segment id per row
-    row: np.ndarray  # int64 row number within that segment's rows_2d
-    position: np.ndarray  # int64 token position within its segment (for return_index)
-
-
 class ShuffledTokenLoader:
     """Shuffled batches of token vectors of one layer, for SAE training.
 
@@ -143,8 +133,12 @@ class ShuffledTokenLoader:
         self.epoch = 0
         self.d_model = reader.d_model
         self._segments: list[TokenSegment] = reader.token_segments(layer)
-        self._row_index = [seg.row_index() for seg in self._segments]
-        self.n_tokens = int(sum(len(r) for r in self._row_index))
+        row_index = [seg.row_index() for seg in self._segments]
+        sizes = np.array([len(r) for r in row_index], dtype=np.int64)
+        #: global token position p (segments concatenated) -> row within its segment
+        self._rows = np.concatenate(row_index) if row_index else np.zeros(0, np.int64)
+        self._seg_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.n_tokens = int(sizes.sum())
 
     def __len__(self) -> int:
         full, rest = divmod(self.n_tokens, self.batch_size)
@@ -154,73 +148,61 @@ class ShuffledTokenLoader:
         """Choose the epoch whose permutation the next iteration yields."""
         self.epoch = int(epoch)
 
-    def _blocks(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(segment, start, stop) of every block, in shuffled order."""
-        segs, starts, stops = [], [], []
-        for k, rows in enumerate(self._row_index):
-            n = len(rows)
-            s = np.arange(0, n, self.block_tokens, dtype=np.int64)
-            segs.append(np.full(len(s), k, dtype=np.int32))
+    def _blocks(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """(start, stop) global positions of every block, in shuffled order; blocks never cross segments."""
+        starts, stops = [], []
+        for k in range(len(self._segments)):
+            a, b = int(self._seg_starts[k]), int(self._seg_starts[k + 1])
+            s = np.arange(a, b, self.block_tokens, dtype=np.int64)
             starts.append(s)
-            stops.append(np.minimum(s + self.block_tokens, n))
-        if not segs:
-            return (np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64))
-        seg, start, stop = np.concatenate(segs), np.concatenate(starts), np.concatenate(stops)
-        order = rng.permutation(len(seg))
-        return seg[order], start[order], stop[order]
+            stops.append(np.minimum(s + self.block_tokens, b))
+        if not starts:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        start, stop = np.concatenate(starts), np.concatenate(stops)
+        order = rng.permutation(len(start))
+        return start[order], stop[order]
 
-    def plans(self, epoch: int | None = None) -> Iterator[_Plan]:
-        """The batches of one epoch as row plans (cheap: indices only)."""
+    def plans(self, epoch: int | None = None) -> Iterator[np.ndarray]:
+        """The batches of one epoch as sorted arrays of global token positions (indices only)."""
         rng = np.random.default_rng([self.seed, self.epoch if epoch is None else epoch])
-        seg, start, stop = self._blocks(rng)
-        carry_seg = np.zeros(0, np.int32)
-        carry_pos = np.zeros(0, np.int64)
-        for w in range(0, len(seg), self.window_blocks):
-            ws, wa, wb = seg[w : w + self.window_blocks], start[w : w + self.window_blocks], stop[w : w + self.window_blocks]
+        start, stop = self._blocks(rng)
+        carry = np.zeros(0, np.int64)
+        for w in range(0, len(start), self.window_blocks):
+            wa, wb = start[w : w + self.window_blocks], stop[w : w + self.window_blocks]
             sizes = wb - wa
-            total = int(sizes.sum())
             offsets = np.cumsum(sizes) - sizes
-            pos = np.arange(total, dtype=np.int64) - np.repeat(offsets, sizes) + np.repeat(wa, sizes)
-            sid = np.repeat(ws, sizes)
-            perm = rng.permutation(total)
-            sid = np.concatenate([carry_seg, sid[perm]])
-            pos = np.concatenate([carry_pos, pos[perm]])
-            n_full = len(sid) // self.batch_size
+            pos = np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(offsets - wa, sizes)
+            pos = np.concatenate([carry, pos[rng.permutation(len(pos))]])
+            n_full = len(pos) // self.batch_size
             for b in range(n_full):
-                sl = slice(b * self.batch_size, (b + 1) * self.batch_size)
-                yield self._plan(sid[sl], pos[sl])
-            carry_seg, carry_pos = sid[n_full * self.batch_size :], pos[n_full * self.batch_size :]
-        if len(carry_seg) and not self.drop_last:
-            yield self._plan(carry_seg, carry_pos)
+                yield np.sort(pos[b * self.batch_size : (b + 1) * self.batch_size])
+            carry = pos[n_full * self.batch_size :]
+        if len(carry) and not self.drop_last:
+            yield np.sort(carry)
 
-    def _plan(self, sid: np.ndarray, pos: np.ndarray) -> _Plan:
-        row = np.empty(len(pos), dtype=np.int64)
-        for k in np.unique(sid):
-            m = sid == k
-            row[m] = self._row_index[int(k)][pos[m]]
-        order = np.lexsort((row, sid))  # group by segment, ascending rows: near-sequential reads
-        return _Plan(sid[order], row[order], pos[order])
+    def _segment_slices(self, positions: np.ndarray) -> Iterator[tuple[int, int, int]]:
+        """(segment, a, b): positions[a:b] lie in that segment (positions sorted)."""
+        cuts = np.searchsorted(positions, self._seg_starts)
+        for k in range(len(self._segments)):
+            if cuts[k + 1] > cuts[k]:
+                yield k, int(cuts[k]), int(cuts[k + 1])
 
-    def gather(self, plan: _Plan) -> np.ndarray:
-        """The (B, D) float32 rows of a plan, one vectorised take per segment."""
-        out = np.empty((len(plan.row), self.d_model), dtype=np.float32)
-        bounds = np.flatnonzero(np.diff(plan.segment)) + 1
-        edges = np.concatenate([[0], bounds, [len(plan.row)]])
-        for a, b in zip(edges[:-1], edges[1:]):
-            if b > a:
-                seg = self._segments[int(plan.segment[a])]
-                np.take(seg.rows_2d, plan.row[a:b], axis=0, out=out[a:b])
+    def gather(self, positions: np.ndarray) -> np.ndarray:
+        """The (B, D) float32 rows at sorted global positions, one vectorised take per segment."""
+        out = np.empty((len(positions), self.d_model), dtype=np.float32)
+        rows = self._rows[positions]
+        for k, a, b in self._segment_slices(positions):
+            np.take(self._segments[k].rows_2d, rows[a:b], axis=0, out=out[a:b])
         return out
 
-    def _index(self, plan: _Plan) -> tuple[np.ndarray, np.ndarray]:
-        samples = np.empty(len(plan.row), dtype=np.int64)
-        tokens = np.empty(len(plan.row), dtype=np.int64)
-        for k in np.unique(plan.segment):
-            m = plan.segment == k
-            samples[m], tokens[m] = self._segments[int(k)].locate(plan.position[m])
+    def _index(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        samples = np.empty(len(positions), dtype=np.int64)
+        tokens = np.empty(len(positions), dtype=np.int64)
+        for k, a, b in self._segment_slices(positions):
+            samples[a:b], tokens[a:b] = self._segments[k].locate(positions[a:b] - self._seg_starts[k])
         return samples, tokens
 
-    def _finish(self, plan: _Plan, rows: np.ndarray) -> Any:
+    def _finish(self, plan: np.ndarray, rows: np.ndarray) -> Any:
         x = torch.from_numpy(rows)
         if self.device is not None and self.device.type == "cuda":
             x = x.pin_memory().to(self.device, non_blocking=True)
@@ -236,7 +218,7 @@ class ShuffledTokenLoader:
         self.epoch += 1
         plans = self.plans(epoch)
         with ThreadPoolExecutor(max_workers=self.n_threads, thread_name_prefix="actlake-read") as pool:
-            pending: "queue.SimpleQueue[tuple[_Plan, Future[np.ndarray]]]" = queue.SimpleQueue()
+            pending: "queue.SimpleQueue[tuple[np.ndarray, Future[np.ndarray]]]" = queue.SimpleQueue()
             in_flight = 0
             for plan in plans:
                 pending.put((plan, pool.submit(self.gather, plan)))

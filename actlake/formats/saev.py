@@ -346,9 +346,8 @@ class SaevWriter(Writer):
         self._file = None
         name = shard_name(self._shard_idx)
         os.replace(self.tmp_path / f"{name}.partial", self.tmp_path / name)
-        fsync_dir(self.tmp_path)
         self._shard_idx += 1
-        self._write_progress(self._shard_idx)
+        self._write_progress(self._shard_idx)  # its directory fsync also makes the rename above durable
 
     def write_batch(self, batch: Batch) -> None:
         if self._closed:
