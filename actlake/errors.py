@@ -50,6 +50,10 @@ class UnsafePickleError(FormatError):
     """A pickle tried to load something the restricted unpickler does not admit."""
 
 
+class DuplicateSampleError(MetadataError):
+    """The same global sample id occurs twice (across shards, or across stores being merged)."""
+
+
 class LayerNotStoredError(ActlakeError, KeyError):
     """A layer was requested that the store does not hold."""
 

@@ -1,0 +1,30 @@
+"""`actlake convert SRC --to FORMAT --out ROOT`: copy a store into another format, streaming, then verify."""
+
+from __future__ import annotations
+
+import argparse
+
+NAME = "convert"
+HELP = "convert an activation store to another format (saev, zarr, lmprobe, pickle) and verify the result"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..formats import FORMAT_MODULES
+
+    p.add_argument("src", help="source store (any format actlake reads)")
+    p.add_argument("--to", required=True, choices=sorted(FORMAT_MODULES), help="target format")
+    p.add_argument("--out", required=True, help="output root; the store is published under it")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="target-format option (repeatable), e.g. shard_bytes=50000000, compressed=false, dtype=float16")
+    p.add_argument("--batch-mb", type=float, default=64.0,
+                   help="memory budget of one streamed batch in MiB (default 64)")
+    p.add_argument("--no-verify", action="store_true", help="skip `actlake verify` on the output")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..convert import convert, parse_options
+
+    out = convert(args.src, args.to, args.out, parse_options(args.option),
+                  batch_bytes=max(1, int(args.batch_mb * 2**20)), verify=not args.no_verify)
+    print(out)
+    return 0

@@ -1,0 +1,152 @@
+"""Conversion between stored layouts: a reader produces Batches, a writer of another format consumes them.
+
+Generic over the format registry (docs/formats/convert.md): the target's StoreSpec comes from
+the source reader (layers, width, token count, sample count, provenance), batches are sized
+from a byte budget so memory stays bounded, and the output is checked with `actlake.verify`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from .batch import Batch
+from .errors import ConfigError, FormatError
+from .formats import FORMAT_MODULES, create_writer, format_module, open_store, verify_store
+from .reader import Reader
+from .spec import StoreSpec
+
+#: storage dtype each target is written in unless `dtype=` is given (None: keep the source's)
+TARGET_DTYPES: dict[str, str | None] = {"saev": "float32", "pickle": "float32", "zarr": "float16", "lmprobe": None}
+#: dtypes a target may be asked for with `dtype=`
+ALLOWED_DTYPES = ("float32", "float16", "bfloat16")
+DEFAULT_BATCH_BYTES = 64 << 20
+
+
+def parse_options(pairs: Sequence[str] | None) -> dict[str, Any]:
+    """`k=v` strings to a dict; values are JSON when they parse as JSON (numbers, true, lists), else strings."""
+    out: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"option {pair!r} is not KEY=VALUE")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def _model_name(prov: Mapping[str, Any]) -> str:
+    model = prov.get("model")
+    for value in (prov.get("model_name"), prov.get("ckpt"),
+                  model.get("name") if isinstance(model, dict) else model):
+        if isinstance(value, str) and value:
+            return value
+    return "unknown"
+
+
+def _source_fact(reader: Reader, key: str, default: Any) -> Any:
+    """A fact about the source: from its provenance, else from a `metadata` object it exposes."""
+    prov = reader.provenance
+    if key in prov and prov[key] is not None:
+        return prov[key]
+    return getattr(getattr(reader, "metadata", None), key, default)
+
+
+def _plain(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, default=lambda o: o.item() if isinstance(o, np.generic) else str(o)))
+
+
+def spec_for(reader: Reader, to_format: str, options: Mapping[str, Any] | None = None) -> StoreSpec:
+    """The StoreSpec of a `to_format` store holding everything `reader` holds."""
+    opts = dict(options or {})
+    if to_format not in FORMAT_MODULES:
+        format_module(to_format)  # raises UnknownFormatError naming the known formats
+    dtype = opts.pop("dtype", None)
+    if dtype is not None and dtype not in ALLOWED_DTYPES:
+        raise ConfigError(f"dtype must be one of {ALLOWED_DTYPES}, got {dtype!r}")
+    dtype = dtype or TARGET_DTYPES.get(to_format) or np.dtype(reader.dtype).name
+    if dtype not in ALLOWED_DTYPES:
+        dtype = "float32"  # e.g. a float64 source: widest dtype every format stores
+    prov = _plain(dict(reader.provenance))
+    family = str(_source_fact(reader, "family", "unknown") or "unknown")
+    dataset = str(prov.get("dataset") or "")
+    if to_format == "saev":
+        from .formats.saev import KNOWN_FAMILIES
+
+        if dtype != "float32":
+            raise ConfigError(f"saev stores float32 only, not {dtype}")
+        if family not in KNOWN_FAMILIES:
+            family = "text"  # saev's catch-all family for language models (docs/formats/saev.md)
+        if dataset and not os.path.isabs(dataset) and ":" not in dataset:
+            dataset = ""
+    if to_format == "zarr" and getattr(reader, "max_response_tokens", 0):
+        opts.setdefault("r_max", int(reader.max_response_tokens))  # keep the source's response cap
+    source = {"format": reader.format, "path": str(Path(reader.path).resolve())}
+    prov["converted_from"] = source
+    return StoreSpec(
+        layers=tuple(reader.layers),
+        d_model=int(reader.d_model),
+        max_tokens=int(reader.max_tokens),
+        n_samples=int(reader.n_samples),
+        model_name=_model_name(prov),
+        family=family,
+        cls_token=bool(_source_fact(reader, "cls_token", False)),
+        dataset=dataset,
+        data={"converted_from": source},
+        provenance=prov,
+        dtype=dtype,
+        has_token_labels=reader.token_labels is not None,
+        options=opts,
+    )
+
+
+def batch_size_for(reader: Reader, batch_bytes: int = DEFAULT_BATCH_BYTES) -> int:
+    """Samples per batch so one padded float32 batch [B, L, T, D] stays within `batch_bytes`."""
+    if batch_bytes < 1:
+        raise ConfigError(f"batch_bytes must be positive, got {batch_bytes}")
+    itemsize = max(4, np.dtype(reader.dtype).itemsize)  # writers may widen to float32
+    per_sample = len(reader.layers) * reader.max_tokens * reader.d_model * itemsize
+    return int(max(1, min(batch_bytes // max(1, per_sample), max(1, reader.n_samples))))
+
+
+def _batches(reader: Reader, start: int, batch_size: int) -> Iterator[Batch]:
+    """Every sample from position `start` on, in order, in batches of at most `batch_size`."""
+    if start == 0:
+        yield from reader.iter_batches(batch_size)
+        return
+    for s in range(start, reader.n_samples, batch_size):
+        yield reader.batch(np.arange(s, min(s + batch_size, reader.n_samples)))
+
+
+def convert(src_path: str | Path, to_format: str, out_root: str | Path, options: Mapping[str, Any] | None = None,
+            *, batch_bytes: int = DEFAULT_BATCH_BYTES, verify: bool = True) -> Path:
+    """Copy the store at `src_path` into a new `to_format` store under `out_root`; return its path.
+
+    Streams `batch_size_for(reader, batch_bytes)` samples at a time; resumes where an
+    interrupted conversion with the same arguments stopped (the writer's `resume_from`); raises
+    FormatError listing the problems if `actlake.verify` finds any in the output.
+    """
+    with open_store(src_path) as reader:
+        spec = spec_for(reader, to_format, options)
+        writer = create_writer(to_format, out_root, spec)
+        try:
+            start = int(writer.resume_from)
+            if start < spec.n_samples:
+                for batch in _batches(reader, start, batch_size_for(reader, batch_bytes)):
+                    writer.write_batch(batch)
+            out = writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+    if verify:
+        problems = verify_store(out, to_format)
+        if problems:
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise FormatError(f"converted store fails verification: {'; '.join(problems[:5])}{more}", out)
+    return Path(out)
