@@ -66,6 +66,68 @@ class SAEConfig:
             raise ConfigError(f"bad SAE config: {exc}") from exc
 
 
+class _SelectedPreActs(torch.autograd.Function):
+    """Pre-activations at chosen latents, with a sparse backward.
+
+    Forward gathers `pre_bn[b, idx_bk[b, j]]` from pre-activations computed without autograd.
+    Backward touches only the B*k chosen entries: dW_enc = x^T G by a sparse matmul and
+    d(x - b_dec) = G W_enc^T by an embedding bag, instead of two dense (B, d, n) matmuls.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, xc_bd: torch.Tensor, w_enc_dn: torch.Tensor, b_enc_n: torch.Tensor,
+                idx_bk: torch.Tensor, pre_bn: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(xc_bd, w_enc_dn, idx_bk)
+        return pre_bn.gather(1, idx_bk)
+
+    @staticmethod
+    def backward(ctx: Any, g_bk: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        xc_bd, w_enc_dn, idx_bk = ctx.saved_tensors
+        b, k = idx_bk.shape
+        n = w_enc_dn.shape[1]
+        g_bk = g_bk.contiguous()
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = F.embedding_bag(idx_bk, w_enc_dn.t().contiguous(), per_sample_weights=g_bk, mode="sum")
+        if ctx.needs_input_grad[1]:
+            rows = torch.arange(b, device=idx_bk.device).repeat_interleave(k)
+            g_nb = torch.sparse_coo_tensor(torch.stack([idx_bk.reshape(-1), rows]), g_bk.reshape(-1), (n, b),
+                                           check_invariants=False)
+            grad_w = torch.sparse.mm(g_nb, xc_bd).t()
+        if ctx.needs_input_grad[2]:
+            grad_b = torch.zeros(n, dtype=g_bk.dtype, device=g_bk.device).index_add_(0, idx_bk.reshape(-1),
+                                                                                      g_bk.reshape(-1))
+        return grad_x, grad_w, grad_b, None, None
+
+
+class _SparseDecode(torch.autograd.Function):
+    """sum_j vals[b, j] * W_dec[idx[b, j]] with a backward that never sorts or builds dense (B, n) tensors.
+
+    dW_dec = G^T grad by a sparse matmul; dvals[b, j] = <grad[b], W_dec[idx[b, j]]> gathered from
+    one dense (B, d) x (d, n) matmul (a gather of B*k decoder rows is slower on CPU).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, vals_bk: torch.Tensor, idx_bk: torch.Tensor, w_dec_nd: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(vals_bk, idx_bk, w_dec_nd)
+        return F.embedding_bag(idx_bk, w_dec_nd, per_sample_weights=vals_bk, mode="sum")
+
+    @staticmethod
+    def backward(ctx: Any, grad_bd: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        vals_bk, idx_bk, w_dec_nd = ctx.saved_tensors
+        b, k = idx_bk.shape
+        grad_bd = grad_bd.contiguous()
+        grad_vals = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_vals = (grad_bd @ w_dec_nd.t()).gather(1, idx_bk)
+        if ctx.needs_input_grad[2]:
+            rows = torch.arange(b, device=idx_bk.device).repeat_interleave(k)
+            g_nb = torch.sparse_coo_tensor(torch.stack([idx_bk.reshape(-1), rows]), vals_bk.reshape(-1),
+                                           (w_dec_nd.shape[0], b), check_invariants=False)
+            grad_w = torch.sparse.mm(g_nb, grad_bd)
+        return grad_vals, None, grad_w
+
+
 class SparseAutoencoder(nn.Module):
     """x -> z = act(W_enc^T (x - b_dec) + b_enc) -> x_hat = z W_dec + b_dec, rows of W_dec unit-norm.
 
@@ -109,7 +171,7 @@ class SparseAutoencoder(nn.Module):
 
     def _decode_sparse(self, vals_bk: torch.Tensor, idx_bk: torch.Tensor) -> torch.Tensor:
         """Reconstruction from top-k (values, indices) without a dense (B, n) matmul."""
-        return F.embedding_bag(idx_bk, self.W_dec, per_sample_weights=vals_bk, mode="sum") + self.b_dec
+        return _SparseDecode.apply(vals_bk, idx_bk, self.W_dec) + self.b_dec
 
     def forward(self, x_bd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(reconstruction, latents)."""
@@ -123,33 +185,45 @@ class SparseAutoencoder(nn.Module):
         mse: mean over the batch of the squared error summed over dims, divided by d_model.
         l1: (ReLU only) mean over the batch of the latent L1 norm. aux: AuxK normalised MSE of
         the residual reconstructed by the top `aux_k` dead latents (0 when none are dead).
+        TopK never builds a dense (B, n_latents) gradient: see `_SelectedPreActs`.
         """
         cfg = self.config
-        pre_bn = self.pre_acts(x_bd)
-        z_bn, vals_bk, idx_bk = self.activate(pre_bn)
-        if vals_bk is not None and idx_bk is not None:
+        zero = torch.zeros((), device=x_bd.device)
+        xc_bd = x_bd - self.b_dec
+        if cfg.activation == "topk":
+            with torch.no_grad():
+                pre_bn = xc_bd @ self.W_enc + self.b_enc
+                idx_bk = pre_bn.topk(cfg.k, dim=-1, sorted=False).indices
+            vals_bk = F.relu(_SelectedPreActs.apply(xc_bd, self.W_enc, self.b_enc, idx_bk, pre_bn))
             x_hat_bd = self._decode_sparse(vals_bk, idx_bk)
+            l1 = zero
+            with torch.no_grad():
+                on_bk = vals_bk > 0
+                fired_n = torch.zeros(cfg.n_latents, dtype=torch.bool, device=x_bd.device)
+                fired_n[idx_bk[on_bk]] = True
+                l0 = on_bk.sum(-1).float().mean()
         else:
+            pre_bn = xc_bd @ self.W_enc + self.b_enc
+            z_bn = F.relu(pre_bn)
             x_hat_bd = self.decode(z_bn)
+            l1 = z_bn.abs().sum(-1).mean()
+            with torch.no_grad():
+                fired_n = (z_bn > 0).any(0)
+                l0 = (z_bn > 0).sum(-1).float().mean()
+                pre_bn = pre_bn.detach()
         err_bd = x_bd - x_hat_bd
         mse = err_bd.pow(2).sum(-1).mean() / cfg.d_model
-        zero = torch.zeros((), device=x_bd.device)
-        l1 = z_bn.abs().sum(-1).mean() if cfg.activation == "relu" else zero
         aux = zero
         if cfg.aux_coeff > 0 and dead_n is not None and bool(dead_n.any()):
-            n_dead = int(dead_n.sum())
-            k_aux = min(cfg.aux_k, n_dead)
-            masked_bn = pre_bn.masked_fill(~dead_n, float("-inf"))
-            a_vals, a_idx = masked_bn.topk(k_aux, dim=-1, sorted=False)
-            a_vals = F.relu(a_vals)
-            e_hat_bd = F.embedding_bag(a_idx, self.W_dec, per_sample_weights=a_vals, mode="sum")
+            k_aux = min(cfg.aux_k, int(dead_n.sum()))
+            with torch.no_grad():
+                a_idx = pre_bn.masked_fill(~dead_n, float("-inf")).topk(k_aux, dim=-1, sorted=False).indices
+            a_vals = F.relu(_SelectedPreActs.apply(xc_bd, self.W_enc, self.b_enc, a_idx, pre_bn))
+            e_hat_bd = _SparseDecode.apply(a_vals, a_idx, self.W_dec)
             resid_bd = err_bd.detach()
             denom = (resid_bd - resid_bd.mean(0)).pow(2).sum().clamp_min(1e-12)
             aux = (e_hat_bd - resid_bd).pow(2).sum() / denom
         total = mse + cfg.l1_coeff * l1 + cfg.aux_coeff * aux
-        with torch.no_grad():
-            fired_n = (z_bn > 0).any(0)
-            l0 = (z_bn > 0).sum(-1).float().mean()
         return {"loss": total, "mse": mse, "l1": l1, "aux": aux, "l0": l0, "fired": fired_n}
 
     @torch.no_grad()
