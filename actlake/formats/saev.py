@@ -299,6 +299,8 @@ class SaevWriter(Writer):
             self._write_progress(0)
         for stale in tmp.glob("*.partial"):
             stale.unlink()
+        for stale in [*tmp.glob(".*.tmp-*"), *(tmp / ".texts").glob(".*.tmp-*")]:
+            stale.unlink()  # temp files of an atomic write interrupted by a kill
         n = md.n_examples
         self._lengths = self._sidecar("lengths.bin", np.int32, (n,), fresh=complete == 0)
         self._sample_ids = self._sidecar("sample_ids.bin", np.int64, (n,), fresh=complete == 0)
