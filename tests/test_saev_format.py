@@ -304,3 +304,16 @@ def test_resume_after_interruption_is_byte_identical(tmp_path: Path, rng: np.ran
     for f in sorted(clean_out.iterdir()):
         assert (dirty_out / f.name).read_bytes() == f.read_bytes(), f.name
     assert sorted(p.name for p in clean_out.iterdir()) == sorted(p.name for p in dirty_out.iterdir())
+
+
+def test_second_concurrent_writer_is_refused(tmp_path: Path) -> None:
+    md = SaevMetadata(family="gpt2", ckpt="m", layers=(0,), patches_per_ex=2, cls_token=False, d_model=2,
+                      n_examples=2, data=encode_data({}))
+    first = SaevWriter(tmp_path, md)
+    with pytest.raises(actlake.errors.FormatError, match="another process is writing"):
+        SaevWriter(tmp_path, md)
+    first.abort()
+    second = SaevWriter(tmp_path, md)  # the lock is released on abort
+    second.write_batch(Batch(np.zeros((2, 1, 2, 2), np.float32), np.full(2, 2), np.arange(2)))
+    assert second.close().is_dir()
+    assert not list(tmp_path.glob(".tmp-*"))
