@@ -614,3 +614,39 @@ def test_verify_reports_unlisted_and_non_parquet(dataset: Path) -> None:
         actlake.open(dataset)
     assert exc.value.path == dataset / INDEX
     assert lm.verify(dataset)[0].startswith(str(dataset / INDEX))
+
+
+def test_absurd_sizes_are_refused_before_allocating(dataset: Path) -> None:
+    rewrite_index(dataset, meta=with_tensors(dataset, lambda t: t["hidden_layers"].update(dim=1 << 40)))
+    with pytest.raises(TruncatedFileError, match="cannot hold"):
+        actlake.open(dataset)
+
+
+def test_absurd_logits_k_is_refused_before_allocating(dataset: Path) -> None:
+    rewrite_index(dataset, meta=with_tensors(dataset, lambda t: t["logits_topk"].update(k=1 << 40)))
+    with pytest.raises(FormatError, match="logits tensor"):
+        actlake.open(dataset).logits()
+
+
+def test_safetensors_shape_that_overflows_int64_is_refused(dataset: Path) -> None:
+    victim = dataset / "tensors/hidden_layer002_shard000.safetensors"
+    data = victim.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    key = next(k for k in header if k != "__metadata__")
+    header[key]["shape"] = [1 << 32, 1 << 32]  # 2**64 elements: wraps to 0 in int64
+    header[key]["data_offsets"] = [0, 0]
+    text = json.dumps(header).encode()
+    victim.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n :])
+    with pytest.raises(FormatError, match="spans"):
+        lm.read_safetensors_header(victim)
+
+
+def test_absurd_declared_max_tokens_is_refused(dataset: Path) -> None:
+    md = dict(pq.read_schema(dataset / INDEX).metadata)
+    own = json.loads(md[lm.ACTLAKE_META_KEY])
+    own["max_tokens"] = 1 << 40  # batch() would pad every prompt to this
+    md[lm.ACTLAKE_META_KEY] = json.dumps(own).encode()
+    rewrite_index(dataset, meta=md)
+    with pytest.raises(MetadataError, match="max_tokens"):
+        actlake.open(dataset)

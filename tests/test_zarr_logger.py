@@ -645,3 +645,44 @@ def test_inconsistent_manifest_index_is_refused(tmp_path: Path, data: dict) -> N
     (run / zl.MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(MetadataError, match="outside a shard"):
         actlake.open(run)
+
+
+def test_absurd_shape_is_refused_before_allocating(tmp_path: Path, store: Path) -> None:
+    bad = writable_copy(store, tmp_path / "s.zarr")
+    _patch_zarray(bad, "prompt_activations", shape=[1 << 40, L, P_MAX, H])
+    with pytest.raises(MetadataError, match="N=") as exc:
+        zl.ZarrReader(bad)
+    assert exc.value.path == bad / "arrays" / "prompt_activations" / ".zarray"
+
+
+def test_fd_cache_is_bounded_per_process_and_closed(store: Path) -> None:
+    r = zl.ZarrReader(store, fd_cache=zl.FdCache(3))
+    for i in range(N):
+        for layer in LAYERS:
+            r.get(i, layer)
+    fds = r._fds
+    assert len(fds) == 3
+    open_fds = [e[0] for e in fds._entries.values() if e[0] >= 0]
+    assert open_fds and all(os.fstat(fd) for fd in open_fds)
+    clone = pickle.loads(pickle.dumps(r))
+    assert len(clone._fds) == 0 and clone._fds.capacity == 3  # descriptors never travel
+    assert np.array_equal(clone.get(0, 2), r.get(0, 2))
+    r.close()
+    assert len(fds) == 0
+    for fd in open_fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    assert np.array_equal(r.get(0, 2), clone.get(0, 2))  # reopens lazily after close
+    with pytest.raises(ConfigError):
+        zl.FdCache(0)
+
+
+def test_fd_cache_reuses_descriptors(store: Path, monkeypatch) -> None:
+    r = zl.ZarrReader(store)
+    calls: list[str] = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda p, *a, **k: (calls.append(os.fspath(p)), real_open(p, *a, **k))[1])
+    first = r.get(0, 2)
+    n = len(calls)
+    assert n == -(-P_MAX // T_CHUNK)
+    assert np.array_equal(r.get(0, 2), first) and len(calls) == n  # second read: no open

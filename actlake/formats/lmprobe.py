@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import platform
 import re
 import struct
@@ -55,6 +56,7 @@ POOLINGS = ("last_token", "mean")
 PROMPT_ORDERING = "sequential"  # rows in the order the writer received them (sample order)
 ACTLAKE_META_KEY = b"actlake"  # non-`lmprobe:` schema key: actlake's own round-trip facts
 MAX_HEADER_BYTES = 100 << 20
+MAX_DECLARED_TOKENS = 1 << 20  # a larger actlake max_tokens claim is refused (batch() pads to it)
 
 #: spec keys of the logits file (values float32, indices int64: row_bytes = k * (4 + 8))
 LOGITS_VALUES_KEY = "topk_values"
@@ -385,7 +387,7 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             raise FormatError(f"tensor {key!r} has unsupported dtype {code!r}", path)
         if any(d < 0 for d in shape) or begin < 0 or stop < begin:
             raise FormatError(f"tensor {key!r} has a negative shape or byte range", path)
-        want = int(np.prod(shape, dtype=np.int64)) * ST_NUMPY[code].itemsize
+        want = math.prod(shape) * ST_NUMPY[code].itemsize  # Python ints: an absurd shape cannot wrap around
         if stop - begin != want:
             raise FormatError(f"tensor {key!r} spans {stop - begin} bytes, its shape {list(shape)} needs {want}", path)
         out[key] = TensorInfo(key, code, shape, data_start + begin, want)
@@ -1069,6 +1071,7 @@ class LmprobeReader(Reader):
         for f in list(self._files.values()) + self._logits_files:
             if not f.is_file():
                 raise MissingFileError("shard described by the index is missing", f)
+        self._check_sizes()
         self._maps: dict[tuple[int, int], tuple[np.ndarray, TensorInfo]] = {}
         self._logits_cache: tuple[np.ndarray, np.ndarray] | None = None
         self._meta_cache: dict[str, Any] = {}
@@ -1090,11 +1093,25 @@ class LmprobeReader(Reader):
                                       or self.tok_offs.min() < 0 or (self.tok_offs >= rows[self.tok_ids]).any()):
                 raise MetadataError("token_shard_ids/token_shard_offsets point outside the shards", src)
 
+    def _check_sizes(self) -> None:
+        """Refuse a dim / row count the shard files cannot hold, before anything is allocated from it."""
+        h = self.hidden
+        row = h.dim * HIDDEN_DTYPES[h.dtype][1]
+        for (layer, shard), f in self._files.items():
+            need = h.shard_tokens[shard] * row
+            size = f.stat().st_size
+            if size < need:
+                raise TruncatedFileError(f"{size} bytes cannot hold the {h.shard_tokens[shard]} x {h.dim} "
+                                         f"{h.dtype} rows the index describes ({need} bytes)", f)
+
     def _max_tokens(self) -> int:
         if not self.full_sequence:
             return 1
         longest = int(self.num_tokens.max()) if self.n_samples else 1
         declared = self.actlake_meta.get("max_tokens")
+        if _is_int(declared) and declared > max(longest, MAX_DECLARED_TOKENS):
+            raise MetadataError(f"actlake max_tokens {declared} is absurd (longest prompt {longest} tokens)",
+                                self.index_path)
         return max(longest, 1, declared if _is_int(declared) else 0)
 
     # ---- tensors ----
@@ -1271,10 +1288,14 @@ class LmprobeReader(Reader):
         k = self.logits_desc.k
         si = _column_numpy(self.table, "shard_index_logits", np.int64)
         ro = _column_numpy(self.table, "row_offset_logits", np.int64)
+        # map (and so size-check) every shard before allocating from the descriptor's k
+        tensors = [self._logits_tensors(shard, path) for shard, path in enumerate(self._logits_files)]
+        counts = np.asarray(self.logits_desc.shard_prompts, dtype=np.int64)
+        if self.n_samples and (si.min() < 0 or si.max() >= len(counts) or ro.min() < 0 or (ro >= counts[si]).any()):
+            raise MetadataError("shard_index_logits/row_offset_logits point outside the logits shards", self.index_path)
         values = np.empty((self.n_samples, k), dtype=np.float32)
         indices = np.empty((self.n_samples, k), dtype=np.int64)
-        for shard, path in enumerate(self._logits_files):
-            v, ix = self._logits_tensors(shard, path)
+        for shard, (v, ix) in enumerate(tensors):
             sel = np.nonzero(si == shard)[0]
             values[sel] = v[ro[sel]]
             indices[sel] = ix[ro[sel]]

@@ -24,7 +24,9 @@ import json
 import os
 import re
 import sys
+import threading
 from abc import abstractmethod
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -57,6 +59,9 @@ DEFAULT_R_MAX = 64
 DEFAULT_CHUNK_BYTES = 1 << 20
 SAMPLE_KEY_BYTES = 64
 META_CHUNK = 1 << 16
+#: largest N, L, T (P_max / R_max) and H a store may claim; larger is refused before any allocation
+MAX_DIMS = {"N": 1 << 31, "L": 1 << 16, "T": 1 << 24, "H": 1 << 20}
+FD_CACHE_MAX = 4096  # most chunk-file descriptors one reader keeps open (per process)
 SPLIT_CODES = {"train": 0, "val": 1, "validation": 1, "dev": 1, "test": 2}
 PROMPT, RESPONSE = "prompt_activations", "response_activations"
 ACT_ARRAYS = (PROMPT, RESPONSE)
@@ -681,6 +686,11 @@ class StoreMeta:
             if _np_dtype(meta.dtype, source) != np.float16:
                 raise MetadataError(f"dtype {meta.dtype!r}, the spec stores float16", source)
         n, n_layers, p_max, hidden = prompt.shape
+        for meta in (prompt, response):
+            for dim, size in zip("NLTH", meta.shape):
+                if size > MAX_DIMS[dim]:
+                    raise MetadataError(f"shape {list(meta.shape)} claims {dim}={size}, more than the "
+                                        f"{MAX_DIMS[dim]} this reader accepts", path / "arrays" / meta.name / ".zarray")
         if response.shape[:2] != (n, n_layers) or response.shape[3] != hidden:
             raise MetadataError(f"shape {list(response.shape)} does not match {PROMPT} {list(prompt.shape)}",
                                 path / "arrays" / RESPONSE / ".zarray")
@@ -708,6 +718,104 @@ class StoreMeta:
 # --------------------------------------------------------------------------------------------
 
 
+def default_fd_capacity() -> int:
+    """Descriptors a reader may keep open: FD_CACHE_MAX, or an eighth of RLIMIT_NOFILE if that is less."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 128
+    if soft == resource.RLIM_INFINITY:
+        return FD_CACHE_MAX
+    return max(16, min(FD_CACHE_MAX, soft // 8))
+
+
+class FdCache:
+    """A bounded LRU of read-only chunk-file descriptors, shared by one reader's arrays, per process.
+
+    Opening a chunk file costs more than reading it from the page cache, so descriptors stay open
+    (at most `capacity`, plus any pinned by reads in flight on other threads). Entries are pinned
+    while read, so eviction never closes a descriptor a thread is reading; a fork, pickling or
+    `close()` drops them all. Missing files are cached too (they read as the fill value).
+    """
+
+    def __init__(self, capacity: int | None = None) -> None:
+        capacity = default_fd_capacity() if capacity is None else capacity
+        if capacity < 1:
+            raise ConfigError(f"fd cache capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, list[int]] = OrderedDict()  # path -> [fd (-1: missing), size, pins, evicted]
+        self._pid = os.getpid()
+
+    def acquire(self, path: str) -> list[int]:
+        """The pinned entry [fd, size, pins, evicted] of `path`; release() it after reading."""
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: the parent's descriptors are not ours to share
+                self._entries = OrderedDict()
+                self._pid = os.getpid()
+            entry = self._entries.get(path)
+            if entry is not None:
+                self._entries.move_to_end(path)
+                entry[2] += 1
+                return entry
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            fd, size = -1, 0
+        else:
+            size = os.fstat(fd).st_size
+        with self._lock:
+            entry = self._entries.get(path)
+            if entry is not None:  # another thread opened it meanwhile
+                if fd >= 0:
+                    os.close(fd)
+                entry[2] += 1
+                return entry
+            entry = [fd, size, 1, 0]
+            self._entries[path] = entry
+            while len(self._entries) > self.capacity:
+                _, old = self._entries.popitem(last=False)
+                old[3] = 1
+                if old[2] == 0 and old[0] >= 0:
+                    os.close(old[0])
+            return entry
+
+    def release(self, entry: list[int]) -> None:
+        with self._lock:
+            entry[2] -= 1
+            if entry[2] == 0 and entry[3] and entry[0] >= 0:
+                os.close(entry[0])
+                entry[0] = -1
+
+    def close(self) -> None:
+        """Close every descriptor not pinned by a read in flight (those close on release)."""
+        with self._lock:
+            entries, self._entries = self._entries, OrderedDict()
+            mine = self._pid == os.getpid()
+            for entry in entries.values():
+                entry[3] = 1
+                if mine and entry[2] == 0 and entry[0] >= 0:
+                    os.close(entry[0])
+                    entry[0] = -1
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"capacity": self.capacity}  # descriptors never travel to another process
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["capacity"])  # type: ignore[misc]
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: os may be gone
+            pass
+
+
 @dataclass(frozen=True)
 class ChunkFiles:
     """Direct reads of an uncompressed, C-order, fp16 v2 activation array's chunk files."""
@@ -716,23 +824,21 @@ class ChunkFiles:
     separator: str
     t_chunk: int
     hidden: int
-
-    @property
-    def row_bytes(self) -> int:
-        return self.hidden * 2
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self.t_chunk * self.hidden * 2
+    fds: FdCache
 
     def chunk_path(self, sample: int, li: int, chunk: int) -> str:
         sep = self.separator
         return f"{self.folder}/{sample}{sep}{li}{sep}{chunk}{sep}0"
 
     def read(self, sample: int, li: int, t0: int, t1: int, out: np.ndarray) -> None:
-        """Fill `out` ((t1 - t0, H) C-contiguous float16) with tokens [t0, t1) of (sample, li)."""
-        tc, row = self.t_chunk, self.row_bytes
+        """Fill `out` ((t1 - t0, H) C-contiguous float16) with tokens [t0, t1) of (sample, li).
+
+        One `os.preadv` per chunk straight into `out`, through the reader's descriptor cache.
+        """
+        tc, row = self.t_chunk, self.hidden * 2
+        chunk_bytes = tc * row
         buf = memoryview(out).cast("B")
+        fds = self.fds
         pos = 0
         t = t0
         while t < t1:
@@ -740,23 +846,22 @@ class ChunkFiles:
             rows = min(tc - within, t1 - t)
             n = rows * row
             path = self.chunk_path(sample, li, c)
+            entry = fds.acquire(path)
             try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                out[t - t0 : t - t0 + rows] = 0  # a chunk never written holds the fill value 0
-            else:
-                try:
-                    size = os.fstat(fd).st_size
-                    if size != self.chunk_bytes:
-                        raise TruncatedFileError(f"chunk file has {size} bytes, expected {self.chunk_bytes}", path)
+                fd, size = entry[0], entry[1]
+                if fd < 0:
+                    out[t - t0 : t - t0 + rows] = 0  # a chunk never written holds the fill value 0
+                elif size != chunk_bytes:
+                    raise TruncatedFileError(f"chunk file has {size} bytes, expected {chunk_bytes}", path)
+                else:
                     got = os.preadv(fd, [buf[pos : pos + n]], within * row)
                     while got < n:  # short reads are legal; finish them
                         more = os.preadv(fd, [buf[pos + got : pos + n]], within * row + got)
                         if more <= 0:
                             raise TruncatedFileError(f"chunk file ended after {within * row + got} bytes", path)
                         got += more
-                finally:
-                    os.close(fd)
+            finally:
+                fds.release(entry)
             pos += n
             t += rows
 
@@ -978,10 +1083,12 @@ def _texts_column(rows: list[dict[str, Any]] | None, key: str) -> list[str] | No
 class ZarrReader(ZarrReaderBase):
     """Reader of one store, opened read-only with consolidated metadata; handles are per process."""
 
-    def __init__(self, path: str | Path, *, fast: bool = True, read_threads: int | None = None) -> None:
+    def __init__(self, path: str | Path, *, fast: bool = True, read_threads: int | None = None,
+                 fd_cache: FdCache | None = None) -> None:
         self.path = Path(path)
         self.read_threads = _threads(read_threads)
         self.meta = meta = StoreMeta.load(self.path)
+        self._fds = FdCache() if fd_cache is None else fd_cache
         self.layers = meta.layers
         self.d_model = meta.hidden_size
         self.n_samples = meta.n_samples
@@ -1010,7 +1117,7 @@ class ZarrReader(ZarrReaderBase):
               and meta.chunks[:2] == (1, 1) and meta.chunks[3] == meta.shape[3])
         if not ok:
             return None
-        return ChunkFiles(str(self.path / "arrays" / meta.name), meta.separator, meta.chunks[2], meta.shape[3])
+        return ChunkFiles(str(self.path / "arrays" / meta.name), meta.separator, meta.chunks[2], meta.shape[3], self._fds)
 
     @property
     def fast(self) -> bool:
@@ -1121,7 +1228,9 @@ class ZarrReader(ZarrReaderBase):
         return out
 
     def close(self) -> None:
+        """Drop the zarr handle and close the cached chunk-file descriptors (reads reopen lazily)."""
         self._root = None
+        self._fds.close()
 
     def _parallel_ok(self) -> bool:
         return self.fast
@@ -1142,8 +1251,9 @@ class ZarrManifestReader(ZarrReaderBase):
         self.manifest_path = self.path / MANIFEST_NAME
         manifest = _read_json(self.manifest_path)
         entries, index = _check_manifest(manifest, self.manifest_path)
-        self.shards = [ZarrReader(resolve_inside(self.path, e["path"], source=self.manifest_path), fast=fast)
-                       for e in entries]
+        fds = FdCache()  # one descriptor budget for the whole run, not one per shard
+        self.shards = [ZarrReader(resolve_inside(self.path, e["path"], source=self.manifest_path), fast=fast,
+                                  read_threads=read_threads, fd_cache=fds) for e in entries]
         first = self.shards[0]
         for e, shard in zip(entries, self.shards):
             if shard.n_samples != e["n_samples"]:
