@@ -1,0 +1,36 @@
+"""saev protocol 2.1: content-hashed directory of float32 memmap shards (shared/specs/saev-protocol-2.1.md).
+
+Choices where the spec is silent are recorded in docs/formats/saev.md:
+- the last shard is written truncated to its real example count; full-size (zero-padded, as
+  upstream writes) last shards are read as well;
+- optional additions (protocol minor addition, files only, so `metadata.json` and the hash keep
+  the 2.1 field set): `lengths.bin` int32 [n_examples] real token counts, `sample_ids.bin`
+  int64 [n_examples] global sample ids, `samples.jsonl` one JSON object per example with
+  `text` / `label`, and `provenance.json` (unhashed build facts);
+- `labels.bin` is uint8 [n_examples, patches_per_ex] (the CLS token has no label).
+"""
+
+from __future__ import annotations
+
+from .metadata import (
+    DEFAULT_PATCHES_PER_SHARD,
+    FIELD_ALIASES,
+    FORMAT,
+    KNOWN_FAMILIES,
+    PROTOCOL,
+    SaevMetadata,
+    check_protocol,
+    encode_data,
+    metadata_from_spec,
+    metadata_hash,
+    shard_name,
+)
+from .reader import SaevReader, detect, open_reader, read_metadata, read_shards_json
+from .verify import verify
+from .writer import SaevWriter, create_writer
+
+__all__ = [
+    "DEFAULT_PATCHES_PER_SHARD", "FIELD_ALIASES", "FORMAT", "KNOWN_FAMILIES", "PROTOCOL", "SaevMetadata",
+    "SaevReader", "SaevWriter", "check_protocol", "create_writer", "detect", "encode_data", "metadata_from_spec",
+    "metadata_hash", "open_reader", "read_metadata", "read_shards_json", "shard_name", "verify",
+]

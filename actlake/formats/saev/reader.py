@@ -1,0 +1,261 @@
+"""SaevReader: memmap reads by the spec's section 4 coordinate transform."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...batch import Batch
+from ...errors import FormatError, MetadataError, MissingFileError, TruncatedFileError
+from ...reader import Reader, TokenSegment
+from .metadata import FORMAT, SaevMetadata, shard_name
+
+
+def _read_json(path: Path) -> Any:
+    if not path.is_file():
+        raise MissingFileError(f"required file {path.name} is missing", path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise MetadataError(f"not valid UTF-8 JSON: {exc}", path) from exc
+
+
+def read_metadata(path: Path) -> SaevMetadata:
+    """Validated metadata.json of a saev directory."""
+    return SaevMetadata.from_json(_read_json(path / "metadata.json"), source=path / "metadata.json")
+
+
+def read_shards_json(path: Path, md: SaevMetadata) -> list[int]:
+    """Validated example counts per shard from shards.json (checked against the sizing maths)."""
+    source = path / "shards.json"
+    entries = _read_json(source)
+    if not isinstance(entries, list):
+        raise MetadataError("shards.json must hold a JSON array", source)
+    counts: list[int] = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) \
+                or not isinstance(entry.get("n_examples"), int) or isinstance(entry.get("n_examples"), bool):
+            raise MetadataError(f"entry {i} must be {{'name': str, 'n_examples': int}}", source)
+        if entry["name"] != shard_name(i):
+            raise MetadataError(f"entry {i} names {entry['name']!r}, expected {shard_name(i)!r}", source)
+        counts.append(entry["n_examples"])
+    if counts != md.shard_counts():
+        raise MetadataError(
+            f"shard example counts {counts[:4]}{'...' if len(counts) > 4 else ''} (total {sum(counts)}) do not "
+            f"match n_examples={md.n_examples} with {md.examples_per_shard} examples per shard", source,
+        )
+    return counts
+
+
+class SaevReader(Reader):
+    """Memmap reader of a saev 2.1 directory (spec section 4 coordinate transform)."""
+
+    format = FORMAT
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise MissingFileError("not a directory", self.path)
+        self.metadata = md = read_metadata(self.path)
+        self.shard_counts = read_shards_json(self.path, md)
+        self.layers = md.layers
+        self.d_model = md.d_model
+        self.n_samples = md.n_examples
+        self.dtype = np.dtype(np.float32)
+        self.max_tokens = md.tokens_per_ex
+        self.examples_per_shard = md.examples_per_shard
+        for i, count in enumerate(self.shard_counts):
+            f = self.path / shard_name(i)
+            if not f.is_file():
+                raise MissingFileError("shard listed in shards.json is missing", f)
+            size = f.stat().st_size
+            allowed = {count * md.example_bytes, md.examples_per_shard * md.example_bytes}
+            if size not in allowed:
+                raise TruncatedFileError(
+                    f"size {size} bytes, expected {count * md.example_bytes} "
+                    f"({count} examples x {md.example_bytes} bytes)", f)
+        self._lengths = self._load_sidecar("lengths.bin", np.int32, (md.n_examples,))
+        self._sample_ids = self._load_sidecar("sample_ids.bin", np.int64, (md.n_examples,))
+        self._token_labels_raw = self._load_sidecar("labels.bin", np.uint8, (md.n_examples, md.patches_per_ex))
+        if self._lengths is not None:
+            lengths = np.asarray(self._lengths, dtype=np.int64)
+            if len(lengths) and (lengths.min() < 0 or lengths.max() > md.tokens_per_ex):
+                raise FormatError(f"lengths outside [0, {md.tokens_per_ex}]", self.path / "lengths.bin")
+            self._lengths = lengths
+        self._maps: dict[int, np.memmap] = {}
+        self._samples_meta: list[dict[str, Any]] | None = None
+
+    def _load_sidecar(self, name: str, dtype: Any, shape: tuple[int, ...]) -> np.ndarray | None:
+        f = self.path / name
+        if not f.exists():
+            return None
+        want = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        size = f.stat().st_size
+        if size != want:
+            raise TruncatedFileError(f"size {size} bytes, expected {want} ({' x '.join(map(str, shape))} {np.dtype(dtype)})", f)
+        if want == 0:
+            return np.zeros(shape, dtype=dtype)
+        return np.memmap(f, dtype=dtype, mode="r", shape=shape)
+
+    # ---- memmaps ----
+    def shard(self, index: int) -> np.memmap:
+        """The (S_i, L, T, D) memmap of shard `index` (opened lazily, once per process)."""
+        mm = self._maps.get(index)
+        if mm is None:
+            md = self.metadata
+            count = self.shard_counts[index]
+            mm = np.memmap(self.path / shard_name(index), dtype=np.float32, mode="r",
+                           shape=(count, len(md.layers), md.tokens_per_ex, md.d_model))
+            self._maps[index] = mm
+        return mm
+
+    def locate(self, sample: int) -> tuple[int, int]:
+        """(shard index, example within shard) of a global example index (spec 4.2 step 1)."""
+        s = self.check_sample(sample)
+        return s // self.examples_per_shard, s % self.examples_per_shard
+
+    # ---- metadata ----
+    @property
+    def lengths(self) -> np.ndarray:
+        if self._lengths is None:
+            return np.full(self.n_samples, self.max_tokens, dtype=np.int64)
+        return self._lengths
+
+    @property
+    def sample_ids(self) -> np.ndarray:
+        if self._sample_ids is None:
+            return np.arange(self.n_samples, dtype=np.int64)
+        return np.asarray(self._sample_ids)
+
+    def _samples(self) -> list[dict[str, Any]] | None:
+        if self._samples_meta is None:
+            f = self.path / "samples.jsonl"
+            if not f.exists():
+                return None
+            rows = []
+            with open(f, encoding="utf-8") as fh:
+                for lineno, line in enumerate(fh, 1):
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as exc:
+                        raise MetadataError(f"line {lineno} is not JSON: {exc}", f) from exc
+            if len(rows) != self.n_samples:
+                raise MetadataError(f"{len(rows)} lines, expected {self.n_samples}", f)
+            self._samples_meta = rows
+        return self._samples_meta
+
+    @property
+    def texts(self) -> list[str] | None:
+        rows = self._samples()
+        if rows is None or not rows or "text" not in rows[0]:
+            return None
+        return [r.get("text", "") for r in rows]
+
+    @property
+    def labels(self) -> np.ndarray | None:
+        rows = self._samples()
+        if rows is None or not rows or "label" not in rows[0]:
+            return None
+        return np.array([r.get("label", -1) for r in rows], dtype=np.int64)
+
+    @property
+    def token_labels(self) -> np.ndarray | None:
+        """[N, T] uint8 labels; the CLS position (if any) is 0, patches from `labels.bin`."""
+        raw = self._token_labels_raw
+        if raw is None:
+            return None
+        if not self.metadata.cls_token:
+            return np.asarray(raw)
+        out = np.zeros((self.n_samples, self.max_tokens), dtype=np.uint8)
+        out[:, 1:] = raw
+        return out
+
+    @property
+    def provenance(self) -> dict[str, Any]:
+        f = self.path / "provenance.json"
+        base = {"ckpt": self.metadata.ckpt, "family": self.metadata.family, "dataset": self.metadata.dataset,
+                "hash": self.metadata.hash}
+        if f.exists():
+            base.update(_read_json(f))
+        return base
+
+    def data_description(self) -> Any:
+        """The `data` field decoded with the restricted unpickler (only when asked)."""
+        return self.metadata.decode_data(source=self.path / "metadata.json")
+
+    # ---- reads ----
+    def get(self, sample: int, layer: int) -> np.ndarray:
+        li = self.layer_index(layer)
+        shard, ex = self.locate(sample)
+        n = int(self.lengths[shard * self.examples_per_shard + ex])
+        return self.shard(shard)[ex, li, :n]
+
+    def vector(self, sample: int, layer: int, token: int) -> np.ndarray:
+        """One (D,) activation vector at a logical (example, layer, token) coordinate."""
+        li = self.layer_index(layer)
+        shard, ex = self.locate(sample)
+        if not 0 <= token < self.max_tokens:
+            raise FormatError(f"token {token} out of range [0, {self.max_tokens})", self.path)
+        return self.shard(shard)[ex, li, token]
+
+    def batch(self, samples: Any, layers: Any = None) -> Batch:
+        idx = self.check_samples(samples)
+        layer_list = list(self.layers if layers is None else layers)
+        lis = np.array([self.layer_index(x) for x in layer_list], dtype=np.int64)
+        out = np.empty((len(idx), len(lis), self.max_tokens, self.d_model), dtype=np.float32)
+        shard_of = idx // self.examples_per_shard
+        for shard in np.unique(shard_of):
+            where = np.nonzero(shard_of == shard)[0]
+            ex = idx[where] % self.examples_per_shard
+            out[where] = self.shard(int(shard))[ex[:, None], lis[None, :]]
+        return self._batch_meta(idx, out, self.lengths[idx])
+
+    def last_token(self, layer: int) -> np.ndarray:
+        li = self.layer_index(layer)
+        out = np.empty((self.n_samples, self.d_model), dtype=np.float32)
+        lengths = self.lengths
+        for shard, count in enumerate(self.shard_counts):
+            start = shard * self.examples_per_shard
+            last = np.maximum(lengths[start : start + count] - 1, 0)
+            out[start : start + count] = self.shard(shard)[np.arange(count), li, last]
+        return out
+
+    def token_segments(self, layer: int) -> list[TokenSegment]:
+        li = self.layer_index(layer)
+        n_layers, t = len(self.layers), self.max_tokens
+        segments = []
+        lengths = self.lengths
+        for shard, count in enumerate(self.shard_counts):
+            mm = self.shard(shard)
+            rows = mm.reshape(count * n_layers * t, self.d_model)
+            start = shard * self.examples_per_shard
+            base = (np.arange(count, dtype=np.int64) * n_layers + li) * t
+            segments.append(TokenSegment(rows, base, lengths[start : start + count], start))
+        return segments
+
+    def close(self) -> None:
+        self._maps.clear()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_maps"] = {}  # each process maps its own files
+        return state
+
+
+def detect(path: Path) -> bool:
+    """A directory with metadata.json that carries saev fields."""
+    f = path / "metadata.json"
+    if not (path.is_dir() and f.is_file()):
+        return False
+    try:
+        obj = json.loads(f.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+        return (path / "shards.json").is_file()  # looks like saev; let the reader name the problem
+    return isinstance(obj, dict) and ("d_model" in obj or "protocol" in obj) and "version" not in obj
+
+
+def open_reader(path: Path) -> SaevReader:
+    return SaevReader(path)

@@ -1,0 +1,251 @@
+"""SaevWriter: streaming, resumable, atomically published saev directories."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...atomic import publish_dir, remove_tree, write_bytes_atomic, write_json_atomic
+from ...batch import Batch
+from ...errors import ConfigError, FormatError
+from ...spec import StoreSpec
+from ...writer import Writer
+from .metadata import SaevMetadata, metadata_from_spec, shard_name
+
+
+class SaevWriter(Writer):
+    """Streams batches into `acts%06d.bin` shards under `<root>/.tmp-<HASH>` and publishes `<root>/<HASH>`.
+
+    Complete shards are durable (fsynced, renamed from `.partial`) and recorded in
+    `progress.json`, so an interrupted writer reopened with the same metadata resumes at the
+    first incomplete shard (`resume_from`). Sidecar arrays are preallocated memmaps flushed
+    before each shard is committed.
+    """
+
+    def __init__(self, root: str | Path, metadata: SaevMetadata, *, token_labels: bool = False,
+                 texts: bool = True, provenance: dict[str, Any] | None = None) -> None:
+        self.metadata = metadata
+        self.root = Path(root)
+        self.final_path = self.root / metadata.hash
+        self.tmp_path = self.root / f".tmp-{metadata.hash}"
+        self._token_labels = token_labels
+        self._texts = texts
+        self._provenance = provenance or {}
+        self._closed = False
+        self._counts = metadata.shard_counts()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock_fd: int | None = None
+        if self.final_path.exists():
+            self.resume_from = metadata.n_examples
+            self._closed = True  # identical config already published: nothing to do
+            return
+        self._lock()
+        self._open_tmp()
+
+    def _lock(self) -> None:
+        """Hold an exclusive lock beside the temporary directory: two writers of one store would corrupt it."""
+        import fcntl
+
+        path = self.root / f".tmp-{self.metadata.hash}.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise FormatError("another process is writing this store right now", self.tmp_path) from None
+        self._lock_fd = fd
+
+    def _unlock(self, *, remove: bool) -> None:
+        if self._lock_fd is None:
+            return
+        if remove:
+            (self.root / f".tmp-{self.metadata.hash}.lock").unlink(missing_ok=True)
+        os.close(self._lock_fd)  # closing releases the flock
+        self._lock_fd = None
+
+    @property
+    def already_published(self) -> bool:
+        return self.final_path.exists() and self._closed
+
+    def _open_tmp(self) -> None:
+        md = self.metadata
+        tmp = self.tmp_path
+        progress_file = tmp / "progress.json"
+        complete = 0
+        if tmp.exists() and progress_file.exists():
+            try:
+                state = json.loads(progress_file.read_text())
+                on_disk = json.loads((tmp / "metadata.json").read_text())
+                complete = int(state["complete_shards"])
+                if on_disk != md.to_json() or bool(state.get("token_labels")) != self._token_labels:
+                    raise ValueError("different configuration")
+            except (ValueError, KeyError, OSError, TypeError):
+                remove_tree(tmp)
+                complete = 0
+        elif tmp.exists():
+            remove_tree(tmp)
+        tmp.mkdir(parents=True, exist_ok=True)
+        (tmp / ".texts").mkdir(exist_ok=True)
+        if complete == 0:
+            write_json_atomic(tmp / "metadata.json", md.to_json())
+            self._write_progress(0)
+        for stale in tmp.glob("*.partial"):
+            stale.unlink()
+        for stale in [*tmp.glob(".*.tmp-*"), *(tmp / ".texts").glob(".*.tmp-*")]:
+            stale.unlink()  # temp files of an atomic write interrupted by a kill
+        n = md.n_examples
+        self._lengths = self._sidecar("lengths.bin", np.int32, (n,), fresh=complete == 0)
+        self._sample_ids = self._sidecar("sample_ids.bin", np.int64, (n,), fresh=complete == 0)
+        self._labels = (
+            self._sidecar("labels.bin", np.uint8, (n, md.patches_per_ex), fresh=complete == 0)
+            if self._token_labels else None
+        )
+        self._shard_idx = complete
+        self.resume_from = sum(self._counts[:complete])
+        self._next = self.resume_from  # next global example position
+        self._in_shard = 0
+        self._file = None
+        self._text_lines: list[str] = []
+
+    def _sidecar(self, name: str, dtype: Any, shape: tuple[int, ...], *, fresh: bool) -> np.ndarray | None:
+        path = self.tmp_path / name
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if fresh or not path.exists() or path.stat().st_size != nbytes:
+            with open(path, "wb") as f:
+                f.truncate(nbytes)
+        if nbytes == 0:
+            return np.zeros(shape, dtype=dtype)
+        return np.memmap(path, dtype=dtype, mode="r+", shape=shape)
+
+    def _write_progress(self, complete: int) -> None:
+        write_json_atomic(self.tmp_path / "progress.json",
+                          {"complete_shards": complete, "token_labels": self._token_labels})
+
+    def _open_shard(self) -> None:
+        self._file = open(self.tmp_path / f"{shard_name(self._shard_idx)}.partial", "wb", buffering=0)
+        self._in_shard = 0
+
+    def _commit_shard(self) -> None:
+        """Make the current shard durable: sidecars, texts, shard file, then progress."""
+        assert self._file is not None
+        for arr in (self._lengths, self._sample_ids, self._labels):
+            if isinstance(arr, np.memmap):
+                arr.flush()
+        if self._texts:
+            write_bytes_atomic(self.tmp_path / ".texts" / f"{self._shard_idx:06d}.jsonl",
+                               "".join(self._text_lines).encode("utf-8"))
+        self._text_lines = []
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._file = None
+        name = shard_name(self._shard_idx)
+        os.replace(self.tmp_path / f"{name}.partial", self.tmp_path / name)
+        self._shard_idx += 1
+        self._write_progress(self._shard_idx)  # its directory fsync also makes the rename above durable
+
+    def write_batch(self, batch: Batch) -> None:
+        if self._closed:
+            if self.final_path.exists():
+                return
+            raise FormatError("writer is closed", self.tmp_path)
+        md = self.metadata
+        b, n_layers, t, d = batch.acts_bltd.shape
+        if n_layers != len(md.layers) or d != md.d_model or t > md.tokens_per_ex:
+            raise ConfigError(
+                f"batch shape {batch.acts_bltd.shape} does not fit [B, {len(md.layers)}, <={md.tokens_per_ex}, {md.d_model}]"
+            )
+        if self._next + b > md.n_examples:
+            raise ConfigError(f"more examples than n_examples={md.n_examples}")
+        if self._token_labels and batch.token_labels is None:
+            raise ConfigError("this writer stores labels.bin but the batch has no token_labels")
+        acts = batch.acts_bltd
+        lengths = np.asarray(batch.lengths)
+        padded = bool(b) and int(lengths.min()) < t
+        if t < md.tokens_per_ex or padded or acts.dtype != np.float32 or not acts.flags.c_contiguous:
+            full = np.zeros((b, n_layers, md.tokens_per_ex, d), dtype=np.float32)
+            full[:, :, :t] = acts
+            if padded:  # padding positions are stored as zeros, whatever the model put there
+                full.transpose(0, 2, 1, 3)[np.arange(md.tokens_per_ex)[None, :] >= lengths[:, None]] = 0
+            acts = full
+        start = 0
+        while start < b:
+            if self._file is None:
+                self._open_shard()
+            room = self._counts[self._shard_idx] - self._in_shard
+            take = min(room, b - start)
+            self._file.write(memoryview(acts[start : start + take]).cast("B"))
+            self._record(batch, start, take)
+            self._in_shard += take
+            self._next += take
+            start += take
+            if self._in_shard == self._counts[self._shard_idx]:
+                self._commit_shard()
+
+    def _record(self, batch: Batch, start: int, take: int) -> None:
+        pos = slice(self._next, self._next + take)
+        sel = slice(start, start + take)
+        self._lengths[pos] = np.asarray(batch.lengths[sel])
+        self._sample_ids[pos] = np.asarray(batch.sample_ids[sel])
+        if self._labels is not None:
+            labels = np.asarray(batch.token_labels[sel])
+            offset = 1 if self.metadata.cls_token else 0
+            width = self.metadata.patches_per_ex
+            got = labels[:, offset : offset + width]
+            self._labels[pos, : got.shape[1]] = got
+        if self._texts:
+            for k in range(take):
+                row: dict[str, Any] = {"i": self._next + k, "sample_id": int(batch.sample_ids[start + k])}
+                if batch.texts is not None:
+                    row["text"] = batch.texts[start + k]
+                if batch.labels is not None:
+                    row["label"] = int(batch.labels[start + k])
+                self._text_lines.append(json.dumps(row, ensure_ascii=False) + "\n")
+
+    def close(self) -> Path:
+        if self._closed:
+            if self.final_path.exists():
+                return self.final_path
+            raise FormatError("writer was aborted", self.tmp_path)
+        md = self.metadata
+        if self._next != md.n_examples:
+            raise ConfigError(f"wrote {self._next} examples but metadata says n_examples={md.n_examples}", self.tmp_path)
+        tmp = self.tmp_path
+        for arr in (self._lengths, self._sample_ids, self._labels):
+            if isinstance(arr, np.memmap):
+                arr.flush()
+        self._lengths = self._sample_ids = self._labels = None  # drop the maps before renaming
+        shards = [{"name": shard_name(i), "n_examples": c} for i, c in enumerate(self._counts)]
+        write_json_atomic(tmp / "shards.json", shards)
+        if self._texts:
+            parts = sorted((tmp / ".texts").glob("*.jsonl"))
+            with open(tmp / "samples.jsonl", "wb") as out:
+                for part in parts:
+                    out.write(part.read_bytes())
+        remove_tree(tmp / ".texts")
+        if not self._token_labels and (tmp / "labels.bin").exists():
+            (tmp / "labels.bin").unlink()
+        if self._provenance:
+            write_json_atomic(tmp / "provenance.json", self._provenance)
+        (tmp / "progress.json").unlink()
+        self._closed = True
+        try:
+            return publish_dir(tmp, self.final_path)
+        finally:
+            self._unlock(remove=True)
+
+    def abort(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self._closed = True
+        self._unlock(remove=False)
+
+
+def create_writer(out_root: Path, spec: StoreSpec) -> SaevWriter:
+    """Format-registry entry point."""
+    return SaevWriter(out_root, metadata_from_spec(spec), token_labels=spec.has_token_labels,
+                      provenance=spec.provenance)
