@@ -7,21 +7,31 @@ from a byte budget so memory stays bounded, and the output is checked with `actl
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from .batch import Batch
 from .errors import ConfigError, FormatError
-from .formats import FORMAT_MODULES, create_writer, format_module, open_store, verify_store
+from .formats import (
+    FORMAT_MODULES,
+    create_writer,
+    format_module,
+    open_store,
+    verify_store,
+)
 from .reader import Reader
 from .spec import StoreSpec
 
 #: storage dtype each target is written in unless `dtype=` is given (None: keep the source's)
 TARGET_DTYPES: dict[str, str | None] = {"saev": "float32", "pickle": "float32", "zarr": "float16", "lmprobe": None}
+#: targets whose spec fixes the stored dtype: `dtype=` may only name that one
+FIXED_DTYPES: dict[str, str] = {"saev": "float32", "pickle": "float32", "zarr": "float16"}
 #: dtypes a target may be asked for with `dtype=`
 ALLOWED_DTYPES = ("float32", "float16", "bfloat16")
 DEFAULT_BATCH_BYTES = 64 << 20
@@ -59,7 +69,25 @@ def _source_fact(reader: Reader, key: str, default: Any) -> Any:
 
 
 def _plain(obj: Any) -> Any:
+    """A JSON-able copy of `obj` (numpy scalars to Python, anything else unknown to a string)."""
     return json.loads(json.dumps(obj, default=lambda o: o.item() if isinstance(o, np.generic) else str(o)))
+
+
+def source_fingerprint(reader: Reader) -> str:
+    """sha256 of what identifies the source's content cheaply: shape, sample index, labels and provenance.
+
+    Part of the target's hashed `data`, so a rerun finds its earlier output while a different
+    store recreated at the same path gets a new one instead of the stale conversion.
+    """
+    h = hashlib.sha256()
+    h.update(json.dumps([reader.format, list(reader.layers), int(reader.d_model), int(reader.max_tokens),
+                         int(reader.n_samples), np.dtype(reader.dtype).name]).encode())
+    h.update(np.ascontiguousarray(reader.sample_ids, dtype="<i8").tobytes())
+    h.update(np.ascontiguousarray(reader.lengths, dtype="<i8").tobytes())
+    labels = reader.labels
+    h.update(b"-" if labels is None else np.ascontiguousarray(labels, dtype="<i8").tobytes())
+    h.update(json.dumps(_plain(dict(reader.provenance)), sort_keys=True).encode())
+    return h.hexdigest()
 
 
 def spec_for(reader: Reader, to_format: str, options: Mapping[str, Any] | None = None) -> StoreSpec:
@@ -70,6 +98,9 @@ def spec_for(reader: Reader, to_format: str, options: Mapping[str, Any] | None =
     dtype = opts.pop("dtype", None)
     if dtype is not None and dtype not in ALLOWED_DTYPES:
         raise ConfigError(f"dtype must be one of {ALLOWED_DTYPES}, got {dtype!r}")
+    fixed = FIXED_DTYPES.get(to_format)
+    if dtype is not None and fixed is not None and dtype != fixed:
+        raise ConfigError(f"{to_format} stores {fixed} only (its spec), not {dtype}")
     dtype = dtype or TARGET_DTYPES.get(to_format) or np.dtype(reader.dtype).name
     if dtype not in ALLOWED_DTYPES:
         dtype = "float32"  # e.g. a float64 source: widest dtype every format stores
@@ -79,8 +110,6 @@ def spec_for(reader: Reader, to_format: str, options: Mapping[str, Any] | None =
     if to_format == "saev":
         from .formats.saev import KNOWN_FAMILIES
 
-        if dtype != "float32":
-            raise ConfigError(f"saev stores float32 only, not {dtype}")
         if family not in KNOWN_FAMILIES:
             family = "text"  # saev's catch-all family for language models (docs/formats/saev.md)
         if dataset and not os.path.isabs(dataset) and ":" not in dataset:
@@ -89,6 +118,7 @@ def spec_for(reader: Reader, to_format: str, options: Mapping[str, Any] | None =
         opts.setdefault("r_max", int(reader.max_response_tokens))  # keep the source's response cap
     source = {"format": reader.format, "path": str(Path(reader.path).resolve())}
     prov["converted_from"] = source
+    hashed = dict(source, fingerprint=source_fingerprint(reader))
     return StoreSpec(
         layers=tuple(reader.layers),
         d_model=int(reader.d_model),
@@ -98,7 +128,7 @@ def spec_for(reader: Reader, to_format: str, options: Mapping[str, Any] | None =
         family=family,
         cls_token=bool(_source_fact(reader, "cls_token", False)),
         dataset=dataset,
-        data={"converted_from": source},
+        data={"converted_from": hashed},
         provenance=prov,
         dtype=dtype,
         has_token_labels=reader.token_labels is not None,

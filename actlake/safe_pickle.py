@@ -12,8 +12,7 @@ from .errors import UnsafePickleError
 _ALLOWED: frozenset[tuple[str, str]] = frozenset(
     {
         ("builtins", name)
-        for name in ("dict", "list", "tuple", "set", "frozenset", "str", "bytes", "bytearray",
-                     "int", "float", "complex", "bool", "slice", "range")
+        for name in ("dict", "list", "tuple", "set", "frozenset", "str", "int", "float", "complex", "bool", "slice")
     }
     | {("collections", "OrderedDict"), ("_codecs", "encode")}
     | {
@@ -26,6 +25,31 @@ _ALLOWED: frozenset[tuple[str, str]] = frozenset(
 )
 
 
+def _sized_only(factory: Any, source: str | Path | None) -> Any:
+    """`bytes` / `bytearray` that refuse an integer size: `bytes(10**12)` in a pickle is a memory bomb."""
+
+    def build(*args: Any) -> Any:
+        if args and isinstance(args[0], int):
+            raise UnsafePickleError(f"pickle asks for {factory.__name__}({args[0]}), which is not allowed", source)
+        return factory(*args)
+
+    return build
+
+
+def _empty_reconstruct(reconstruct: Any, source: str | Path | None) -> Any:
+    """numpy's `_reconstruct`, admitted only for the empty shell numpy itself pickles (data comes via setstate)."""
+
+    def build(cls: Any, shape: Any, dtype: Any) -> Any:
+        size = 1
+        for n in shape if isinstance(shape, tuple) else (shape,):
+            size *= int(n)
+        if size > 1:
+            raise UnsafePickleError(f"pickle asks numpy to allocate shape {shape!r} up front", source)
+        return reconstruct(cls, shape, dtype)
+
+    return build
+
+
 class RestrictedUnpickler(pickle.Unpickler):
     """Unpickler whose find_class refuses everything outside a small allow-list."""
 
@@ -34,6 +58,12 @@ class RestrictedUnpickler(pickle.Unpickler):
         self._source = source
 
     def find_class(self, module: str, name: str) -> Any:
+        if module == "__builtin__":  # protocol <= 2 pickles name Python 2's module
+            module = "builtins"
+        if module == "builtins" and name in ("bytes", "bytearray"):
+            return _sized_only(super().find_class(module, name), self._source)
+        if name == "_reconstruct" and (module, name) in _ALLOWED:
+            return _empty_reconstruct(super().find_class(module, name), self._source)
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
         if module.startswith("numpy") and name.endswith("DType") and module.endswith("dtypes"):

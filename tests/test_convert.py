@@ -41,6 +41,34 @@ def saev_store(root: Path, src: dict) -> Path:
                       labels=src["labels"], sample_ids=src["sample_ids"], family="gpt2")
 
 
+def plain_saev(path: Path) -> dict:
+    """A saev store read with plain json + numpy (saev-protocol-2.1 layout plus actlake's documented extra files)."""
+    md = json.loads((path / "metadata.json").read_text())
+    shards = json.loads((path / "shards.json").read_text())
+    n_layers, t, d = len(md["layers"]), md["patches_per_ex"] + int(md["cls_token"]), md["d_model"]
+    acts = np.concatenate([np.fromfile(path / s["name"], dtype="<f4")[: s["n_examples"] * n_layers * t * d]
+                           .reshape(s["n_examples"], n_layers, t, d) for s in shards])
+    lines = [json.loads(x) for x in (path / "samples.jsonl").read_text().splitlines()]
+    return {"layers": tuple(md["layers"]), "acts": acts, "lengths": np.fromfile(path / "lengths.bin", "<i4"),
+            "sample_ids": np.fromfile(path / "sample_ids.bin", "<i8"), "texts": [x.get("text") for x in lines],
+            "labels": np.array([x.get("label", -1) for x in lines])}
+
+
+def check_plain_saev(path: Path, src: dict, via: str, options: dict) -> None:
+    """The saev files at `path`, read with plain numpy, hold the source (within `via`'s dtype), zero padded."""
+    got = plain_saev(path)
+    assert got["layers"] == LAYERS and got["acts"].shape[0] == N
+    np.testing.assert_array_equal(got["sample_ids"], src["sample_ids"])
+    np.testing.assert_array_equal(got["labels"], src["labels"])
+    assert got["texts"] == src["texts"]
+    np.testing.assert_array_equal(got["lengths"], np.ones(N) if pooled(via, options) else src["lengths"])
+    for i in range(N):
+        for j in range(len(LAYERS)):
+            want = expected(src, i, j, via, options)
+            np.testing.assert_array_equal(got["acts"][i, j, : want.shape[0]], want)
+            assert not got["acts"][i, j, want.shape[0] :].any()
+
+
 def pickle_store(root: Path, src: dict) -> Path:
     """The source written as pickle shards by converting the saev fixture (the path under test elsewhere)."""
     return convert(saev_store(root / "saev-src", src), "pickle", root / "pickle-src", {"shard_bytes": 600})
@@ -98,6 +126,7 @@ def test_saev_round_trip_through(tmp_path: Path, source: dict, via: str, options
     back = convert(b, "saev", tmp_path / "c")
     assert detect_format(back) == "saev" and actlake.verify(back) == []
     check_same(actlake.open(back), source, via, options)
+    check_plain_saev(back, source, via, options)
 
 
 @pytest.mark.parametrize("via, options", CASES, ids=IDS)
@@ -117,12 +146,16 @@ def test_pickle_round_trip_through(tmp_path: Path, source: dict, via: str, optio
     for info in md["shards"]:
         with gzip.open(back / info["filename"], "rb") as f:
             shard = pickle.load(f)
-        for k, item in enumerate(shard["layer_3"]):
-            i = pos + k
-            assert item["sample_idx"] == source["sample_ids"][i]
-            want = expected(source, i, 0, via, options)
-            assert item["metadata"]["token_count"] == want.shape[0]
-            np.testing.assert_array_equal(item["activation"], want)
+        assert list(shard) == [f"layer_{x}" for x in LAYERS]
+        for j, layer in enumerate(LAYERS):
+            for k, item in enumerate(shard[f"layer_{layer}"]):
+                i = pos + k
+                assert item["sample_idx"] == source["sample_ids"][i]
+                assert item["metadata"]["label"] == source["labels"][i]
+                assert item["metadata"].get("text", item["text_preview"]) == source["texts"][i]
+                want = expected(source, i, j, via, options)
+                assert item["metadata"]["token_count"] == want.shape[0]
+                np.testing.assert_array_equal(item["activation"], want)
         pos += info["num_samples"]
     assert pos == N
 
@@ -135,10 +168,8 @@ def test_saev_pickle_saev_is_exact_and_keeps_provenance(tmp_path: Path, source: 
     assert md["extraction_config"]["model_name"] == "test-model"
     assert md["extraction_config"]["model_architecture"] == "gpt2"
     s = convert(p, "saev", tmp_path / "s")
-    ra, rs = actlake.open(a), actlake.open(s)
-    for i in range(N):
-        for layer in LAYERS:
-            np.testing.assert_array_equal(rs.get(i, layer), ra.get(i, layer))
+    check_plain_saev(s, source, "pickle", {})  # float32 both ways: bit-exact against the source arrays
+    rs = actlake.open(s)
     assert rs.metadata.family == "gpt2" and rs.metadata.ckpt == "test-model"
     assert rs.provenance["converted_from"]["format"] == "pickle"
 
@@ -153,9 +184,11 @@ def test_saev_target_maps_unknown_family_to_text(tmp_path: Path, source: dict) -
     assert spec_for(reader, "saev").family == "text"
     assert spec_for(reader, "pickle").family == "my-own-model"
     assert spec_for(reader, "zarr").dtype == "float16"
-    assert spec_for(reader, "pickle", {"dtype": "float16", "shard_bytes": 10}).options == {"shard_bytes": 10}
-    with pytest.raises(ConfigError):
-        spec_for(reader, "saev", {"dtype": "float16"})
+    assert spec_for(reader, "pickle", {"dtype": "float32", "shard_bytes": 10}).options == {"shard_bytes": 10}
+    assert spec_for(reader, "lmprobe", {"dtype": "float16"}).dtype == "float16"
+    for fmt, dtype in (("saev", "float16"), ("pickle", "float16"), ("zarr", "float32")):
+        with pytest.raises(ConfigError, match="only"):
+            spec_for(reader, fmt, {"dtype": dtype})  # the spec fixes the stored dtype: no silent mismatch
     with pytest.raises(ConfigError):
         spec_for(reader, "pickle", {"dtype": "int8"})
     with pytest.raises(UnknownFormatError):
@@ -212,6 +245,24 @@ def test_resumes_an_interrupted_conversion(tmp_path: Path, source: dict, monkeyp
     check_same(actlake.open(out), source, "pickle", {})
 
 
+def test_recreated_source_at_the_same_path_is_converted_again(tmp_path: Path, source: dict) -> None:
+    """The target's hashed data carries a fingerprint of the source, so a stale conversion is never reused."""
+    import shutil
+
+    from actlake.atomic import remove_tree
+
+    src = tmp_path / "src"
+    shutil.copytree(pickle_store(tmp_path / "one", source), src)
+    first = convert(src, "saev", tmp_path / "out")
+    remove_tree(src)
+    relabelled = dict(source, labels=1 - source["labels"])
+    shutil.copytree(pickle_store(tmp_path / "two", relabelled), src)
+    second = convert(src, "saev", tmp_path / "out")
+    assert second != first
+    np.testing.assert_array_equal(plain_saev(second)["labels"], relabelled["labels"])
+    assert convert(src, "saev", tmp_path / "out") == second  # unchanged source: the rerun finds it
+
+
 def test_parse_options() -> None:
     assert parse_options(["shard_bytes=1000", "compressed=false", "name=abc", "x=[1,2]"]) == {
         "shard_bytes": 1000, "compressed": False, "name": "abc", "x": [1, 2]}
@@ -228,3 +279,5 @@ def test_cli_convert_then_verify(tmp_path: Path, source: dict, capsys: pytest.Ca
     assert detect_format(out) == "pickle" and len(json.loads((out / "metadata.json").read_text())["shards"]) > 1
     assert cli_main(["verify", str(out)]) == 0
     assert cli_main(["convert", str(tmp_path / "missing"), "--to", "saev", "--out", str(tmp_path / "x")]) == 2
+    assert cli_main(["convert", str(a), "--to", "saev", "--out", str(tmp_path / "x"), "--batch-mb", "0"]) == 2
+    assert "--batch-mb" in capsys.readouterr().err

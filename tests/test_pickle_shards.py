@@ -673,3 +673,157 @@ def test_actlake_merge_command_calls_pickle_merge(tmp_path: Path, data: dict, ca
     dup_a, dup_b = _two_machines(tmp_path / "dup", data, ids_b=data["sample_ids"][:4])
     assert cli_main(["merge", str(dup_a), str(dup_b), "--out", str(tmp_path / "m2")]) == 2
     assert "sample id" in capsys.readouterr().err
+
+
+# ---- review fixes: sizes before allocation, index vs items, locks, verify details ----------------
+
+
+def _edit_metadata(bad: Path, **ext_changes) -> None:
+    md = plain_metadata(bad)
+    md["actlake"].update(ext_changes)
+    save_metadata(bad, md)
+
+
+@pytest.mark.parametrize("changes", [{"d_model": 1 << 40}, {"max_tokens": 1 << 40}, {"d_model": 0}])
+def test_absurd_declared_sizes_are_refused_at_open(tmp_path: Path, store: Path, changes: dict) -> None:
+    bad = writable_copy(store, tmp_path / "bad")
+    _edit_metadata(bad, **changes)
+    with pytest.raises(MetadataError) as exc:
+        actlake.open(bad)
+    assert exc.value.path.name == "metadata.json"
+
+
+def test_declared_width_is_checked_against_items_before_batch_allocates(tmp_path: Path, store: Path) -> None:
+    bad = writable_copy(store, tmp_path / "bad")
+    _edit_metadata(bad, d_model=D * 1000)
+    r = actlake.open(bad)
+    for call in (lambda: r.batch([0]), lambda: r.last_token(5), lambda: r.get(0, 5)):
+        with pytest.raises(FormatError, match="width") as exc:
+            call()
+        assert exc.value.path.name == "shard_0001.pkl.gz"
+    assert any("d_model" in p for p in actlake.verify(bad))
+
+
+def test_index_lengths_beyond_the_items_are_a_typed_error(tmp_path: Path, store: Path, data: dict) -> None:
+    bad = writable_copy(store, tmp_path / "bad")
+    short = int(np.flatnonzero(data["lengths"] < T)[0])
+    lengths = data["lengths"].tolist()
+    lengths[short] = T  # the item holds fewer rows than the index now claims
+    _edit_metadata(bad, lengths=lengths)
+    r = actlake.open(bad)
+    for call in (lambda: r.last_token(2), lambda: r.get(short, 2), lambda: r.batch([short])):
+        with pytest.raises(FormatError, match="activation rows"):
+            call()
+    assert any("lengths" in p for p in actlake.verify(bad))
+
+
+def test_index_sample_ids_must_match_the_items(tmp_path: Path, store: Path, data: dict) -> None:
+    bad = writable_copy(store, tmp_path / "bad")
+    _edit_metadata(bad, sample_ids=(data["sample_ids"] + 1).tolist())
+    with pytest.raises(FormatError, match="sample_idx") as exc:
+        actlake.open(bad).get(0, 5)
+    assert exc.value.path.name == "shard_0001.pkl.gz"
+    assert any("sample_ids" in p for p in actlake.verify(bad))
+
+
+def _rewrite_shard(bad: Path, info_index: int, edit) -> None:
+    """Load shard `info_index` with plain gzip + pickle, apply `edit`, write it back and fix size + checksum."""
+    md = plain_metadata(bad)
+    info = md["shards"][info_index]
+    shard = plain_shard(bad, info)
+    edit(shard)
+    f = bad / info["filename"]
+    with gzip.open(f, "wb") as g:
+        pickle.dump(shard, g)
+    info.update(size_bytes=f.stat().st_size, checksum="sha256:" + hashlib.sha256(f.read_bytes()).hexdigest())
+    md["statistics"]["total_size_bytes"] = sum(s["size_bytes"] for s in md["shards"])
+    save_metadata(bad, md)
+
+
+def test_layers_of_one_sample_must_hold_the_same_rows(tmp_path: Path, store: Path) -> None:
+    bad = writable_copy(store, tmp_path / "bad")
+
+    def drop_a_row(shard: dict) -> None:
+        item = shard["layer_2"][0]
+        item["activation"] = item["activation"][:-1]
+        item["shape"] = item["activation"].shape
+
+    _rewrite_shard(bad, 0, drop_a_row)
+    with pytest.raises(FormatError, match="same tokens") as exc:
+        actlake.open(bad).get(0, 5)
+    assert exc.value.path.name == "shard_0001.pkl.gz"
+    assert any("same tokens" in p for p in actlake.verify(bad))
+
+
+def test_verify_reports_item_details(tmp_path: Path, store: Path) -> None:
+    bad = writable_copy(store, tmp_path / "bad")
+
+    def spoil(shard: dict) -> None:
+        long_item = shard["layer_5"][1]  # sample 1 has a text longer than the preview
+        long_item["text_preview"] = "something else"
+        shard["layer_5"][0]["metadata"]["token_count"] = "many"
+
+    _rewrite_shard(bad, 0, spoil)
+    md = plain_metadata(bad)
+    del md["shards"][1]["sample_id_range"]
+    save_metadata(bad, md)
+    problems = ps.verify(bad)
+    assert any("layer_5[1].text_preview is not the first 200" in p for p in problems)
+    assert any("token_count 'many'" in p for p in problems)
+    assert any("shards[1] lacks ['sample_id_range']" in p for p in problems)
+
+
+def test_verify_token_count_beyond_rows_only_for_a_truncation(tmp_path: Path, rng: np.random.Generator) -> None:
+    """A foreign store may pad/truncate to max_seq_length; a token_count beyond other row counts is a problem."""
+    data = make_data(rng)
+    out = write_store(tmp_path / "s", data)
+    for rows, expect_problem in ((T, False), (T - 1, True)):
+        bad = writable_copy(out, tmp_path / f"bad{rows}")
+
+        def edit(shard: dict, rows: int = rows) -> None:
+            for layer in LAYERS:
+                item = shard[f"layer_{layer}"][0]  # sample 0 has T real tokens
+                item["activation"] = np.ascontiguousarray(item["activation"][:rows])
+                item["shape"] = item["activation"].shape
+                item["metadata"]["token_count"] = T + 3
+
+        _rewrite_shard(bad, 0, edit)
+        md = plain_metadata(bad)
+        del md["actlake"]  # read as a foreign store: lengths come from the items
+        save_metadata(bad, md)
+        problems = ps.verify(bad)
+        assert any("not a truncation" in p for p in problems) == expect_problem, problems
+
+
+def test_second_writer_of_the_same_store_is_refused(tmp_path: Path, data: dict) -> None:
+    spec = StoreSpec(layers=LAYERS, d_model=D, max_tokens=T, n_samples=N)
+    first = create_writer("pickle", tmp_path, spec)
+    with pytest.raises(FormatError, match="another process") as exc:
+        create_writer("pickle", tmp_path, spec)
+    assert exc.value.path == first.tmp_path
+    first.abort()
+    second = create_writer("pickle", tmp_path, spec)  # the lock is released on abort
+    second.write_batch(Batch(acts_bltd=data["acts"], lengths=data["lengths"], sample_ids=data["sample_ids"]))
+    out = second.close()
+    assert actlake.verify(out) == [] and not list(out.parent.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("options", [{"shard_bytes": "lots"}, {"compresslevel": 2.5}, {"compressed": "maybe"},
+                                     {"shard_bytes": 0}])
+def test_unusable_options_are_config_errors(tmp_path: Path, options: dict) -> None:
+    spec = StoreSpec(layers=LAYERS, d_model=D, max_tokens=T, n_samples=1, options=options)
+    with pytest.raises(ConfigError):
+        create_writer("pickle", tmp_path, spec)
+    ok = StoreSpec(layers=LAYERS, d_model=D, max_tokens=T, n_samples=1, options={"shard_bytes": 5e7})
+    assert create_writer("pickle", tmp_path, ok).options.shard_bytes == 50_000_000
+
+
+def test_failed_merge_leaves_no_temporary_directory(tmp_path: Path, data: dict) -> None:
+    pa, pb = _two_machines(tmp_path, data)
+    bad = writable_copy(pb, tmp_path / "bad-b")
+    md = plain_metadata(bad)
+    md["shards"][-1]["checksum"] = "sha256:" + "0" * 64
+    save_metadata(bad, md)
+    with pytest.raises(HashMismatchError):
+        ps.merge([pa, bad], tmp_path / "merged", verify_checksums=True)
+    assert not (tmp_path / "merged").exists() and not list(tmp_path.glob(".tmp-merged*"))

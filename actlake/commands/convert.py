@@ -9,6 +9,7 @@ HELP = "convert an activation store to another format (saev, zarr, lmprobe, pick
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The source, target format, output root, target options and the batch memory budget."""
     from ..formats import FORMAT_MODULES
 
     p.add_argument("src", help="source store (any format actlake reads)")
@@ -22,8 +23,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Convert, verify (unless --no-verify) and print the published path."""
     from ..convert import convert, parse_options
+    from ..errors import ConfigError
 
+    if not args.batch_mb > 0:
+        raise ConfigError(f"--batch-mb must be positive, got {args.batch_mb}")
     out = convert(args.src, args.to, args.out, parse_options(args.option),
                   batch_bytes=max(1, int(args.batch_mb * 2**20)), verify=not args.no_verify)
     print(out)
