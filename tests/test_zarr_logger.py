@@ -686,3 +686,131 @@ def test_fd_cache_reuses_descriptors(store: Path, monkeypatch) -> None:
     n = len(calls)
     assert n == -(-P_MAX // T_CHUNK)
     assert np.array_equal(r.get(0, 2), first) and len(calls) == n  # second read: no open
+
+
+# ---- package split review: vectorised reads, hardened metadata, verify / merge / writer fixes ------
+
+
+def test_last_token_opens_one_chunk_per_sample(store: Path, data: dict, monkeypatch) -> None:
+    opened: list[str] = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda p, *a, **k: (opened.append(os.fspath(p)), real_open(p, *a, **k))[1])
+    r = zl.ZarrReader(store, read_threads=1)
+    last = r.last_token(2)
+    lens = np.minimum(data["lens"], P_MAX)
+    want_files = {f"{i}.1.{(int(p) - 1) // T_CHUNK}.0" for i, p in enumerate(lens) if p}
+    assert sorted(Path(p).name for p in opened) == sorted(want_files)
+    for i, p in enumerate(lens):
+        assert np.array_equal(last[i], data["acts"][i, 1, p - 1].astype(np.float16) if p else np.zeros(H, np.float16))
+
+
+def test_last_token_and_token_segments_agree_on_every_read_path(tmp_path: Path, store: Path, data: dict) -> None:
+    run = write_sharded(tmp_path / "runs", data)
+    readers = [zl.ZarrReader(store, read_threads=3), zl.ZarrReader(store, fast=False), zl.open_reader(run),
+               zl.ZarrManifestReader(run, fast=False, read_threads=2)]
+    for layer, j in ((0, 0), (5, 2)):
+        want_last = np.stack([data["acts"][i, j, min(p, P_MAX) - 1] if p else np.zeros(H)
+                              for i, p in enumerate(data["lens"])]).astype(np.float16)
+        want_rows = np.concatenate([expected_prompt(data, i, j) for i in range(N)])
+        for r in readers:
+            assert np.array_equal(r.last_token(layer), want_last), type(r)
+            (seg,) = r.token_segments(layer)
+            assert np.array_equal(seg.rows_2d, want_rows), type(r)
+            assert np.array_equal(seg.lengths, np.minimum(data["lens"], P_MAX))
+    api = readers[1]
+    assert np.array_equal(api.batch(range(N)).acts_bltd, readers[0].batch(range(N)).acts_bltd)
+
+
+def test_oversized_sample_key_dtype_and_slice_are_refused(tmp_path: Path, store: Path) -> None:
+    bad = writable_copy(store, tmp_path / "s.zarr")
+    _patch_zarray(bad, "sample_key", dtype=f"|S{zl.MAX_SAMPLE_KEY_BYTES + 1}")
+    with pytest.raises(MetadataError, match="sample keys longer") as exc:
+        zl.ZarrReader(bad)
+    assert exc.value.path == bad / "arrays" / "sample_key" / ".zarray"
+    bad2 = writable_copy(store, tmp_path / "s2.zarr")
+    t = zl.MAX_DIMS["T"]
+    _patch_zarray(bad2, "response_activations", shape=[N, L, t, 1 << 16], chunks=[1, 1, t, 1 << 16])
+    _patch_zarray(bad2, "prompt_activations", shape=[N, L, P_MAX, 1 << 16], chunks=[1, 1, T_CHUNK, 1 << 16])
+    with pytest.raises(MetadataError, match="bytes per") as exc:
+        zl.ZarrReader(bad2)
+    assert exc.value.path.name == ".zarray"
+
+
+def test_verify_reports_odd_chunk_names_and_jsonl_without_sample_key(tmp_path: Path, store: Path) -> None:
+    bad = writable_copy(store, tmp_path / "s.zarr")
+    (bad / "arrays" / "prompt_activations" / "0.0.\u00b2.0").write_bytes(b"\0" * (T_CHUNK * H * 2))
+    f = bad / "text" / "prompts.jsonl"
+    rows = [json.loads(x) for x in f.read_text().splitlines()]
+    del rows[2]["sample_key"]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    problems = actlake.verify(bad)
+    assert any("0.0.\u00b2.0" in p and "chunk grid" in p for p in problems)
+    assert any("prompts.jsonl" in p and "line 3" in p and "sample_key" in p for p in problems)
+
+
+def test_merge_refuses_bad_truncation_attr_and_long_keys(tmp_path: Path, store: Path, data: dict) -> None:
+    bad = writable_copy(store, tmp_path / "s.zarr")
+    root = zarr.open_group(str(bad), mode="r+", zarr_format=2)
+    root.attrs["prompt_truncated_count"] = "many"
+    root.attrs["t_chunk_prompt"] = "garbage"  # ignored: merge keeps the array's own chunking
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zarr.consolidate_metadata(str(bad), zarr_format=2)
+    with pytest.raises(MetadataError, match="prompt_truncated_count") as exc:
+        zl.merge([bad], tmp_path / "out")
+    assert exc.value.path == bad / ".zattrs"
+    assert not (tmp_path / "out" / zl.STORE_NAME).exists()
+    d = make_data(seed=3, n=4)
+    spec = spec_for(n=4, options={"p_max": P_MAX, "r_max": R_MAX, "t_chunk_prompt": T_CHUNK})
+    w = zl.create_writer(tmp_path / "w", spec)
+    for b in batches(d, size=4):
+        w.write_batch(b)
+    src = writable_copy(w.close() / zl.STORE_NAME, tmp_path / "long.zarr")
+    root = zarr.open_group(str(src), mode="r+", zarr_format=2)
+    keys = root["arrays"].create_array("sample_key", shape=(4,), chunks=(4,), dtype="|S80", fill_value=b"",
+                                       compressors=None, filters=None, overwrite=True)
+    keys[:] = np.array([b"k" * 80] * 4, dtype="|S80")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zarr.consolidate_metadata(str(src), zarr_format=2)
+    assert zl.ZarrReader(src).sample_keys[0] == "k" * 80  # readable ...
+    with pytest.raises(MetadataError, match="does not fit"):  # ... but never silently cut to |S64
+        zl.merge([src], tmp_path / "out2")
+
+
+def test_crash_while_closing_resumes_at_n_samples(tmp_path: Path, data: dict, monkeypatch) -> None:
+    from actlake.formats.zarr_logger import writer as writer_mod
+
+    spec = spec_for()
+    w = zl.create_writer(tmp_path, spec)
+    for b in batches(data):
+        w.write_batch(b)
+
+    def boom(*args, **kwargs):
+        raise OSError("disk gone")
+
+    for stage in ("finish_store", "publish_dir"):  # before the store is finished, then after
+        monkeypatch.setattr(writer_mod, stage, boom)
+        with pytest.raises(OSError):
+            w.close()
+        monkeypatch.undo()
+        assert not (tmp_path / f"zarr-{spec.content_hash()[:16]}").exists()
+        w = zl.create_writer(tmp_path, spec)
+        assert w.resume_from == N, stage  # nothing written is lost
+    run = w.close()
+    assert actlake.verify(run) == []
+    assert np.array_equal(actlake.open(run).sample_ids, data["ids"])
+
+
+def test_option_edge_cases_and_unreadable_published_attrs(tmp_path: Path, data: dict) -> None:
+    lay = zl.layout_from_spec(spec_for(options={"p_max": None, "r_max": None, "t_chunk_prompt": None}))
+    assert (lay.p_max, lay.r_max) == (T, zl.DEFAULT_R_MAX)
+    with pytest.raises(ConfigError, match="t_chunk_prompt"):
+        zl.layout_from_spec(spec_for(options={"t_chunk_prompt": 0}))
+    run = write_store(tmp_path, data)
+    attrs = run / zl.STORE_NAME / ".zattrs"
+    make_writable(run)
+    attrs.write_text("[1, 2]")
+    with pytest.raises(MetadataError, match="not a JSON object") as exc:
+        zl.create_writer(tmp_path, spec_for())
+    assert exc.value.path == attrs
