@@ -48,7 +48,7 @@ def write(root: Path, acts: np.ndarray, lengths: np.ndarray, *, layers: tuple[in
           token_ids: np.ndarray | None = None, extra: dict[str, list[Any]] | None = None,
           provenance: dict[str, Any] | None = None, model_name: str = "org/tiny-lm") -> Path:
     """Write (N, L, T, D) activations through the registry writer in batches; return the published dir."""
-    n, n_layers, t, d = acts.shape
+    n, _, t, d = acts.shape
     texts = [f"prompt number {i}" for i in range(n)] if texts is None else texts
     rng = np.random.default_rng(99)
     lv = rng.standard_normal((n, logits_k)).astype(np.float32) if logits_k else None
@@ -186,12 +186,16 @@ def test_bfloat16_is_stored_as_bf16_and_read_as_float32(tmp_path: Path, rng: np.
 
 def test_mean_pooling_is_recorded(tmp_path: Path, rng: np.random.Generator) -> None:
     acts, lengths = make_acts(rng, 6, 2, 5, 4)
+    lengths[2] = 0  # an empty prompt pools to zeros
+    pad_b, pad_t = np.nonzero(np.arange(5)[None, :] >= lengths[:, None])
+    acts[pad_b, :, pad_t] = 1e6  # padding must not leak into the mean
     out = write(tmp_path, acts, lengths, options={"pooling": "mean"})
     hidden = lmprobe_info(out)["tensors"]["hidden_layers"]
     assert hidden["storage"] == "pooled" and hidden["pooling"] == "mean"
     t = load_file(str(out / "tensors/hidden_layer007_shard000.safetensors"))["hidden.layer_7"]
     for i in range(6):
-        np.testing.assert_allclose(t[i], acts[i, 1, : lengths[i]].mean(0), rtol=1e-6, atol=1e-6)
+        want = acts[i, 1, : lengths[i]].mean(0) if lengths[i] else np.zeros(4)
+        np.testing.assert_allclose(t[i], want, rtol=1e-6, atol=1e-6)
 
 
 def resolve_token(out: Path, hidden: dict[str, Any], layer: int, shard: int, offset: int) -> np.ndarray:
@@ -264,6 +268,9 @@ def test_full_sequence_index_math(tmp_path_factory: pytest.TempPathFactory, leng
         last = shards[df["shard_index"][i]][df["row_offset"][i]]
         np.testing.assert_array_equal(last, acts[i, 0, lens[i] - 1] if lens[i] else np.zeros(d))
     assert lm.verify(out) == []
+    r = actlake.open(out)
+    for i in range(n):
+        np.testing.assert_array_equal(r.get(i, 0), acts[i, 0, : lens[i]])
 
 
 def test_full_sequence_without_extra_tokens_has_no_sequence_shards(tmp_path: Path, rng: np.random.Generator) -> None:
@@ -650,3 +657,126 @@ def test_absurd_declared_max_tokens_is_refused(dataset: Path) -> None:
     rewrite_index(dataset, meta=md)
     with pytest.raises(MetadataError, match="max_tokens"):
         actlake.open(dataset)
+
+
+# ------------------------------------------------------------------------------------------------
+# review additions: upstream logits keys, typed errors for hostile values, verify `type` fields
+# ------------------------------------------------------------------------------------------------
+
+
+def test_logits_without_upstream_aliases(tmp_path: Path, rng: np.random.Generator) -> None:
+    acts, lengths = make_acts(rng, 4, 1, 2, 4)
+    out = write(tmp_path, acts, lengths, layers=(0,), logits_k=3, options={"upstream_aliases": False})
+    with safe_open(str(out / "tensors/logits_topk_000.safetensors"), framework="np") as f:
+        assert sorted(f.keys()) == ["topk_indices", "topk_values"]
+    assert actlake.open(out).logits()[0].shape == (4, 3)
+    assert lm.verify(out) == []
+
+
+def test_reader_falls_back_to_upstream_logits_keys(dataset: Path) -> None:
+    """A logits shard holding only upstream's key names (as upstream writes them) still reads."""
+    from safetensors.numpy import save_file
+
+    want_v, want_i = actlake.open(dataset).logits()
+    shard = dataset / "tensors/logits_topk_000.safetensors"
+    tensors = load_file(str(shard))
+    save_file({"logits_topk.values": tensors["logits_topk.values"],
+               "logits_topk.indices": tensors["logits_topk.indices"]}, str(shard))
+    got_v, got_i = actlake.open(dataset).logits()
+    np.testing.assert_array_equal(got_v, want_v)
+    np.testing.assert_array_equal(got_i, want_i)
+    assert got_i.dtype == np.int64
+    assert any("'topk_values' is missing" in p for p in lm.verify(dataset))
+
+
+def test_logits_of_a_non_numeric_dtype_are_refused(dataset: Path) -> None:
+    from safetensors.numpy import save_file
+
+    shard = dataset / "tensors/logits_topk_000.safetensors"
+    tensors = load_file(str(shard))
+    tensors["topk_values"] = tensors["topk_values"].astype(np.uint8)
+    save_file(tensors, str(shard))
+    with pytest.raises(FormatError, match="dtype U8") as exc:
+        actlake.open(dataset).logits()
+    assert exc.value.path == shard
+    assert any("expected F32" in p for p in lm.verify(dataset))
+
+
+def test_verify_checks_descriptor_types(dataset: Path) -> None:
+    def mutate(t: dict[str, Any]) -> None:
+        t["hidden_layers"]["type"] = "hiden"
+        del t["logits_topk"]["type"]
+    rewrite_index(dataset, meta=with_tensors(dataset, mutate))
+    problems = "\n".join(lm.verify(dataset))
+    assert "hidden_layers.type is 'hiden'" in problems
+    assert "logits_topk.type is None" in problems
+
+
+def test_token_offsets_list_lengths_must_match(dataset: Path) -> None:
+    table = pq.read_table(dataset / INDEX)
+    i = table.schema.get_field_index("token_shard_offsets")
+    offs = table.column("token_shard_offsets").to_pylist()
+    offs[0] = offs[0] + [0]
+    table = table.set_column(i, table.schema.field(i), pa.array(offs, type=pa.list_(pa.int64())))
+    rewrite_index(dataset, table=table)
+    with pytest.raises(MetadataError, match="token_shard_offsets") as exc:
+        actlake.open(dataset)
+    assert exc.value.path == dataset / INDEX
+    assert any("lengths differ" in p for p in lm.verify(dataset))
+
+
+def test_null_inside_token_lists_is_refused(dataset: Path) -> None:
+    table = pq.read_table(dataset / INDEX)
+    i = table.schema.get_field_index("token_shard_ids")
+    ids = table.column("token_shard_ids").to_pylist()
+    ids[1] = [None] * len(ids[1])
+    table = table.set_column(i, table.schema.field(i), pa.array(ids, type=pa.list_(pa.int64())))
+    rewrite_index(dataset, table=table)
+    with pytest.raises(MetadataError, match="nulls inside"):
+        actlake.open(dataset)
+    assert any("nulls inside" in p for p in lm.verify(dataset))
+
+
+def test_safetensors_header_with_unhashable_dtype_is_typed(dataset: Path) -> None:
+    victim = dataset / "tensors/hidden_layer002_shard000.safetensors"
+    data = victim.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    key = next(k for k in header if k != "__metadata__")
+    header[key]["dtype"] = ["F32"]
+    text = json.dumps(header).encode()
+    victim.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n :])
+    with pytest.raises(FormatError, match="unsupported dtype") as exc:
+        lm.read_safetensors_header(victim)
+    assert exc.value.path == victim
+
+
+def test_non_integer_sample_id_column_falls_back_to_positions(dataset: Path) -> None:
+    table = pq.read_table(dataset / INDEX)
+    i = table.schema.get_field_index("sample_id")
+    table = table.set_column(i, pa.field("sample_id", pa.string()), table.column("sample_id").cast(pa.string()))
+    rewrite_index(dataset, table=table)
+    assert actlake.open(dataset).sample_ids.tolist() == list(range(6))
+
+
+def test_unparseable_options_and_oversized_labels_are_config_errors(tmp_path: Path, rng: np.random.Generator) -> None:
+    for bad in ({"shard_bytes": "lots"}, {"logits_topk": "many"}):
+        with pytest.raises(ConfigError):
+            lm.create_writer(tmp_path, StoreSpec(layers=(0,), d_model=4, max_tokens=2, n_samples=3, options=bad))
+    acts, lengths = make_acts(rng, 3, 1, 2, 4)
+    with pytest.raises(ConfigError, match="int32"):
+        write(tmp_path / "a", acts, lengths, layers=(0,), labels=np.array([0, 1, 1 << 40]))
+    with pytest.raises(ConfigError, match="int32"):
+        write(tmp_path / "b", acts, lengths, layers=(0,), extra={"label": [0, 1, 1 << 40]})
+
+
+def test_perplexity_of_missing_and_empty_lists_is_null(tmp_path: Path, rng: np.random.Generator) -> None:
+    acts, lengths = make_acts(rng, 4, 1, 3, 4)
+    ppl = [[2.0, 4.0], None, [], [1.0, 8.0, 3.0]]
+    out = write(tmp_path, acts, lengths, layers=(0,), extra={"token_perplexity": ppl})
+    df = pq.read_table(out / INDEX).to_pydict()
+    assert df["token_perplexity"] == [[2.0, 4.0], None, [], [1.0, 8.0, 3.0]]
+    assert df["perplexity_mean"] == [3.0, None, None, 4.0]
+    assert df["perplexity_min"] == [2.0, None, None, 1.0]
+    assert df["perplexity_max"] == [4.0, None, None, 8.0]
+    assert lm.verify(out) == []

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import lmprobe  # the interop extra is installed in CI: a missing package must fail, not skip
 import numpy as np
 import pytest
-
-import lmprobe  # the interop extra is installed in CI: a missing package must fail, not skip
 from lmprobe.cache import load_prompt_logits
 
 from actlake.batch import Batch
@@ -22,7 +21,7 @@ from actlake.spec import StoreSpec
 @pytest.fixture(autouse=True)
 def _isolated_lmprobe_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Upstream keeps a process-wide registry and an on-disk cache: isolate both per test."""
-    import lmprobe.cache as cache
+    from lmprobe import cache
 
     monkeypatch.setenv("LMPROBE_CACHE_DIR", str(tmp_path / "lmprobe-cache"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -73,3 +72,28 @@ def test_upstream_load_activations_and_probe(tmp_path: Path, storage: str, dtype
     probe.fit_from_activations(acts[5], y)
     assert probe.score_from_activations(acts[5], y) > 0.9
     assert probe.predict_from_activations(acts[5]).shape == (48,)
+
+
+def test_actlake_package_does_not_shadow_upstream() -> None:
+    """`actlake.formats.lmprobe` is a package of the same last name: top-level `lmprobe` must stay upstream's."""
+    assert "actlake" not in Path(lmprobe.__file__).parts
+    assert hasattr(lmprobe, "load_activations") and hasattr(lmprobe, "Probe")
+    assert lm.__name__ == "actlake.formats.lmprobe"
+
+
+def test_local_hub_serves_only_inside_the_root(tmp_path: Path) -> None:
+    import huggingface_hub
+
+    from actlake.errors import MissingFileError, UnsafePathError
+
+    out = _dataset(tmp_path / "data", "pooled", "float32", n=4)[0]
+    original = huggingface_hub.hf_hub_download
+    with lm.local_hub(out, "local/ds"):
+        assert huggingface_hub.hf_hub_download is not original
+        got = huggingface_hub.hf_hub_download("local/ds", "index/train-00000-of-00001.parquet", repo_type="dataset")
+        assert Path(got) == (out / "index/train-00000-of-00001.parquet").resolve()
+        with pytest.raises(UnsafePathError):
+            huggingface_hub.hf_hub_download("local/ds", "../../etc/passwd")
+        with pytest.raises(MissingFileError):
+            huggingface_hub.hf_hub_download("local/ds", "tensors/nothing.safetensors")
+    assert huggingface_hub.hf_hub_download is original
