@@ -71,6 +71,15 @@ def resolve_shards_arg(value: str | Path) -> Path:
     return p
 
 
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes (checkpoint identity), read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def shard_hash_of(path: Path) -> str:
     """The `<shard_hash>` of an activation directory: its (resolved) directory name, as under shards_root."""
     return Path(path).resolve().name
@@ -285,13 +294,7 @@ def run_lineage(run: Run | str | Path) -> dict[str, Any]:
     train = _shards_facts(run.train_shards)
     val = _shards_facts(run.val_shards)
     cfg = run.read_config() if run.config_path.is_file() else None
-    ckpt_sha = None
-    if run.sae_path.is_file():
-        h = hashlib.sha256()
-        with open(run.sae_path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        ckpt_sha = h.hexdigest()
+    ckpt_sha = file_sha256(run.sae_path) if run.sae_path.is_file() else None
     train_ds = run.link("train-dataset", required=False)
     assert train is not None
     return {

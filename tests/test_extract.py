@@ -328,7 +328,7 @@ def test_killed_run_resumes_byte_identical(tmp_path: Path, monkeypatch: pytest.M
         time.sleep(0.002)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
-    assert len(list(killed.glob(".tmp-*"))) == 1
+    assert len([p for p in killed.glob(".tmp-*") if p.is_dir()]) == 1  # (beside it: the writer's lock file)
     assert not [p for p in killed.iterdir() if not p.name.startswith(".")], "nothing published by a killed run"
     assert main(["extract", *args, "--out", str(killed)]) == 0  # rerun: same arguments
     lines = capsys.readouterr().out.strip().splitlines()
@@ -349,6 +349,26 @@ def test_rerun_of_published_store_is_a_no_op(tmp_path: Path, txt_file: Path) -> 
     first = extract(cfg, model=model("bert"))
     second = extract(cfg, model=model("bert"))
     assert first.path == second.path and second.batches == 0 and second.resumed_from == len(TEXTS)
+
+
+def test_second_writer_of_the_same_store_is_a_clear_error(tmp_path: Path, txt_file: Path) -> None:
+    from actlake.atomic import remove_tree
+    from actlake.errors import FormatError
+    from actlake.formats import create_writer
+
+    cfg = ExtractConfig(model="tiny-random:bert", data=str(txt_file), out=tmp_path, layers="0", device="cpu")
+    first = extract(cfg, model=model("bert"))
+    remove_tree(first.path)
+    holder = create_writer("saev", tmp_path, first.spec)  # another process writing the same store right now
+    try:
+        with pytest.raises(FormatError) as err:
+            extract(cfg, model=model("bert"))
+        assert "another process" in str(err.value) and err.value.path is not None
+        assert first.path.name in str(err.value.path)
+    finally:
+        holder.abort()
+    again = extract(cfg, model=model("bert"))  # the lock is gone with its holder
+    assert again.path == first.path and read_saev(again.path)["acts"].shape[0] == len(TEXTS)
 
 
 # ------------------------------------------------------------------------------------------
@@ -431,6 +451,33 @@ def test_prompt_response_logits_and_perplexity(tmp_path: Path, memory_format: ty
     assert extra["truncated"] == [False, False, True]
 
 
+class FailingWriter(MemoryWriter):
+    """Fails on its second batch the way a full disk does."""
+
+    aborted = False
+
+    def write_batch(self, batch: Batch) -> None:
+        if self.batches:
+            raise OSError(28, "No space left on device")
+        super().write_batch(batch)
+
+    def abort(self) -> None:
+        FailingWriter.aborted = True
+
+
+def test_writer_failure_in_the_writer_thread_is_a_clear_error(tmp_path: Path, txt_file: Path,
+                                                             memory_format: type[MemoryWriter]) -> None:
+    from actlake.errors import FormatError
+
+    sys.modules["actlake_test_memory_format"].create_writer = FailingWriter
+    cfg = ExtractConfig(model="x", data=str(txt_file), out=tmp_path / "store", format="memory", batch_size=2,
+                        bucket_batches=1, device="cpu")
+    with pytest.raises(FormatError) as err:
+        extract(cfg, model=model("bert"))
+    assert err.value.path == tmp_path / "store" and "memory" in str(err.value) and "No space left" in str(err.value)
+    assert isinstance(err.value.__cause__, OSError) and FailingWriter.aborted
+
+
 def test_logits_topk_needs_a_causal_lm(tmp_path: Path, txt_file: Path, memory_format: type[MemoryWriter]) -> None:
     with pytest.raises(ConfigError, match="causal"):
         extract(ExtractConfig(model="x", data=str(txt_file), out=tmp_path, format="memory",
@@ -452,6 +499,9 @@ def test_txt_jsonl_parquet_and_disk_datasets(tmp_path: Path) -> None:
     txt = open_dataset(tmp_path / "a.txt")
     assert txt.texts == ("first line", "second line", "third") and txt.ids == (1, 3, 5)
     assert txt.details["skipped_empty"] == 2
+    (tmp_path / "ff.txt").write_bytes("page\x0cbreak stays one line\r\nsecond\n".encode())
+    ff = open_dataset(tmp_path / "ff.txt", DatasetFields(text="body"))  # text fields do not apply to .txt
+    assert ff.texts == ("page\x0cbreak stays one line", "second") and ff.ids == (1, 2)
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" if t else "\n" for t in lines))
     jsl = open_dataset(tmp_path / "a.jsonl")
     assert jsl.texts == txt.texts and jsl.fingerprint == txt.fingerprint  # content, not file format

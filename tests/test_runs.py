@@ -287,6 +287,23 @@ def test_image_visuals_draw_patch_heat_maps(roots: Path) -> None:
     assert grids[0].name in (vis / "index.html").read_text()
 
 
+def test_visual_image_numbering_matches_the_extraction(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    from actlake.extract import open_dataset
+    from actlake.sae.visuals import image_files
+
+    root = tmp_path / "images"
+    for rel in ("cat/0.png", "dog/1.png", "masks/cat/0.png", "masks/dog/1.png"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.zeros((8, 8), np.uint8)).save(root / rel)
+    got = image_files(root, SimpleNamespace(provenance={}))
+    assert [p.relative_to(root).as_posix() for p in got] == ["cat/0.png", "dog/1.png"]
+    assert got == list(open_dataset(root).images)  # sample_ids index the same list
+
+
 def test_explicit_latents_and_bad_latent(roots: Path) -> None:
     shards = text_shards(shards_root(), 0)
     run_dir = roots / "lat"

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from ..errors import ConfigError, DatasetError
+from .models import file_sha256
 
 BUILTIN_PREFIX = "builtin:"
 STDLIB_DOCS = "builtin:stdlib-docs"
@@ -120,14 +121,6 @@ class _Fingerprint:
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------
@@ -234,12 +227,13 @@ def _from_records(records: Iterable[tuple[Any, dict[str, Any]]], fields: Dataset
 
 
 def _read_txt(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    try:
-        content = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise DatasetError(f"not UTF-8 text: {exc}", path) from exc
-    for lineno, line in enumerate(content.splitlines(), 1):
-        yield lineno, {"text": line}
+    """One record per newline-terminated line (streamed; only '\n' / '\r\n' end a line)."""
+    with open(path, encoding="utf-8", newline="") as f:
+        try:
+            for lineno, line in enumerate(f, 1):
+                yield lineno, {"text": line.rstrip("\r\n")}
+        except UnicodeDecodeError as exc:
+            raise DatasetError(f"not UTF-8 text: {exc}", path) from exc
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -256,41 +250,70 @@ def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             raise DatasetError(f"not UTF-8 text: {exc}", path) from exc
 
 
-def _read_parquet(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+def _wanted_columns(names: Iterable[str], fields: DatasetFields) -> list[str] | None:
+    """The columns a record can be read from (so image or embedding columns are never decoded); None: all.
+
+    All columns are kept when the text field is absent, so the missing-field error lists them.
+    """
+    names = list(names)
+    wanted = {fields.text, fields.prompt, fields.response, fields.label or "label", fields.id or "id",
+              "prompt", "response"}
+    keep = [n for n in names if n in wanted]
+    main = fields.prompt or fields.text
+    return keep if main in keep or {"prompt", "response"} <= set(keep) else None
+
+
+def _read_parquet(path: Path, fields: DatasetFields) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Rows of the columns `_wanted_columns` picks, one record batch at a time."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(path)
+        pf = pq.ParquetFile(path)
+        columns = _wanted_columns(pf.schema_arrow.names, fields)
+        i = 0
+        for batch in pf.iter_batches(columns=columns):
+            for row in batch.to_pylist():
+                yield i, row
+                i += 1
     except (pa.ArrowInvalid, OSError) as exc:
         raise DatasetError(f"not a readable Parquet file: {exc}", path) from exc
-    for i, row in enumerate(table.to_pylist()):
-        yield i, row
 
 
 def _is_hf_disk_dir(path: Path) -> bool:
     return any((path / name).is_file() for name in ("dataset_info.json", "state.json", "dataset_dict.json"))
 
 
-def _read_hf_disk(path: Path, split: str | None) -> tuple[Iterator[tuple[int, dict[str, Any]]], str]:
+def _read_hf_disk(path: Path, fields: DatasetFields) -> tuple[Iterator[tuple[int, dict[str, Any]]], str]:
     import datasets as hf
 
     try:
         ds = hf.load_from_disk(str(path))
     except (FileNotFoundError, OSError, ValueError) as exc:
         raise DatasetError(f"not a datasets.load_from_disk directory: {exc}", path) from exc
+    split = fields.split
     if isinstance(ds, hf.DatasetDict):
         names = list(ds.keys())
         chosen = split or ("train" if "train" in ds else (names[0] if len(names) == 1 else None))
         if chosen is None or chosen not in ds:
             raise DatasetError(f"choose a split with --split (splits: {names})", path)
         ds, split = ds[chosen], chosen
+    columns = _wanted_columns(ds.column_names, fields)
+    if columns is not None:
+        ds = ds.select_columns(columns)
     return ((i, row) for i, row in enumerate(ds)), split or ""
 
 
-def _walk_images(root: Path) -> list[Path]:
-    return sorted((p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES),
-                  key=lambda p: p.relative_to(root).as_posix())
+def list_images(root: Path, masks: Path | None = None) -> list[Path]:
+    """Image files under `root` in sorted relative-path order (= sample order), minus the mask tree.
+
+    `masks` defaults to `<root>/masks`; the engine and the visuals both number images this way.
+    """
+    root = Path(root)
+    mask_root = Path(masks) if masks is not None else root / MASKS_DIRNAME
+    files = [p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
+             and mask_root not in p.parents]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
 def _read_image_folder(path: Path, fields: DatasetFields, spec: str, limit: int | None) -> Dataset:
@@ -299,7 +322,7 @@ def _read_image_folder(path: Path, fields: DatasetFields, spec: str, limit: int 
     if fields.masks and not mask_root.is_dir():
         raise DatasetError("mask directory does not exist", mask_root)
     has_masks = mask_root.is_dir()
-    images = [p for p in _walk_images(path) if not (has_masks and mask_root in p.parents)]
+    images = list_images(path, mask_root)
     if not images:
         raise DatasetError(f"no images ({', '.join(IMAGE_SUFFIXES)}) found", path)
     classes = sorted({p.relative_to(path).parts[0] for p in images if len(p.relative_to(path).parts) > 1})
@@ -319,9 +342,9 @@ def _read_image_folder(path: Path, fields: DatasetFields, spec: str, limit: int 
             masks.append(found[0])
     fp = _Fingerprint("image")
     for i, p in enumerate(images):
-        rec: dict[str, Any] = {"path": p.relative_to(path).as_posix(), "sha256": _file_sha256(p), "label": int(labels[i])}
+        rec: dict[str, Any] = {"path": p.relative_to(path).as_posix(), "sha256": file_sha256(p), "label": int(labels[i])}
         if masks is not None:
-            rec["mask_sha256"] = _file_sha256(masks[i])
+            rec["mask_sha256"] = file_sha256(masks[i])
         fp.add(rec)
     details: dict[str, Any] = {"classes": classes}
     if masks is not None:
@@ -394,14 +417,14 @@ def open_dataset(spec: str | Path, fields: DatasetFields | None = None, *, limit
     if path.is_file():
         suffix = path.suffix.lower()
         if suffix == ".txt":
-            return _from_records(_read_txt(path), fields, source_format="txt", **common)  # type: ignore[arg-type]
+            return _from_records(_read_txt(path), DatasetFields(), source_format="txt", **common)  # type: ignore[arg-type]
         if suffix in (".jsonl", ".ndjson"):
             return _from_records(_read_jsonl(path), fields, source_format="jsonl", **common)  # type: ignore[arg-type]
         if suffix == ".parquet":
-            return _from_records(_read_parquet(path), fields, source_format="parquet", **common)  # type: ignore[arg-type]
+            return _from_records(_read_parquet(path, fields), fields, source_format="parquet", **common)  # type: ignore[arg-type]
         raise DatasetError(f"unknown dataset file type {suffix!r} (use .txt, .jsonl, .parquet)", path)
     if _is_hf_disk_dir(path):
-        records, split = _read_hf_disk(path, fields.split)
+        records, split = _read_hf_disk(path, fields)
         return _from_records(records, fields, source_format="hf-disk", details={"split": split} if split else None,
                              **common)  # type: ignore[arg-type]
     return _read_image_folder(path, fields, text, limit)

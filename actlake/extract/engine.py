@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..batch import Batch
-from ..errors import ConfigError, DatasetError
+from ..errors import ConfigError, DatasetError, FormatError
 from ..spec import StoreSpec
 from .batching import (
     PADDING_SIDES,
@@ -307,31 +307,55 @@ def _cuda_layers(outputs: list[Any], storage: Any) -> Callable[[], list[np.ndarr
     return get
 
 
+class _Window:
+    """Staging arrays of one window in dataset order, filled piece by piece as batches arrive."""
+
+    def __init__(self, window: Window, plan: _Plan, spec: StoreSpec, np_dtype: np.dtype, k: int) -> None:
+        n_w, n_layers, t, d = window.stop - window.start, len(spec.layers), spec.max_tokens, spec.d_model
+        self.window, self.arrived = window, 0
+        self.acts = np.zeros((n_w, n_layers, t, d), dtype=np_dtype)
+        self.resp = np.zeros((n_w, n_layers, plan.response_tokens, d), dtype=np_dtype) if plan.response_tokens else None
+        self.token_labels = np.zeros((n_w, t), dtype=np.uint8) if spec.has_token_labels else None
+        self.top_v = np.zeros((n_w, k), dtype=np.float32) if k else None
+        self.top_i = np.zeros((n_w, k), dtype=np.int64) if k else None
+        self.ppl: list[list[float]] = [[] for _ in range(n_w)] if k else []
+
+
 class _WriterThread(threading.Thread):
-    """Reassembles windows in dataset order and feeds `writer.write_batch` behind a bounded queue."""
+    """Copies each computed batch into its window's staging arrays (overlapping the next forward) and,
+    once a window is complete, feeds `writer.write_batch` in dataset order; bounded queue in front."""
 
     def __init__(self, writer: Any, ds: Dataset, plan: _Plan, windows: list[Window], spec: StoreSpec,
-                 skip_below: int, chunk: int, depth: int) -> None:
+                 skip_below: int, chunk: int, depth: int, out: Path, format_name: str) -> None:
         super().__init__(name="actlake-writer", daemon=True)
-        self.writer, self.ds, self.plan, self.windows, self.spec = writer, ds, plan, windows, spec
-        self.skip_below, self.chunk = skip_below, chunk
+        self.writer, self.ds, self.plan, self.windows, self.spec, self.out = writer, ds, plan, windows, spec, out
+        self.skip_below, self.chunk, self.format_name = skip_below, chunk, format_name
         self.queue: queue.Queue[_Piece | None] = queue.Queue(maxsize=depth)
         self.error: BaseException | None = None
         self._stop_now = threading.Event()
-        self._pending: list[_Piece] = []
-        self.np_dtype = np.dtype(spec.dtype)
+        self._staged: _Window | None = None
+        self._np_dtype = np.dtype(spec.dtype)
+        self._k = int(spec.options.get("logits_topk") or 0)
 
     def put(self, piece: _Piece | None) -> None:
-        """Hand over a piece (None = end); re-raise the thread's error instead of blocking forever."""
+        """Hand over a piece (None = end); raise the thread's error instead of blocking forever."""
         while True:
-            if self.error is not None:
-                raise self.error
+            self.raise_error()
             try:
                 self.queue.put(piece, timeout=0.1)
                 return
             except queue.Full:
                 if not self.is_alive():
-                    raise RuntimeError("writer thread stopped") from self.error
+                    raise RuntimeError("the writer thread stopped without an error") from None
+
+    def raise_error(self) -> None:
+        """Re-raise the thread's error in the caller; an OSError (disk full, permissions) becomes a FormatError."""
+        exc = self.error
+        if exc is None:
+            return
+        if isinstance(exc, OSError):
+            raise FormatError(f"writing the {self.format_name} store failed: {exc}", self.out) from exc
+        raise exc
 
     def stop(self) -> None:
         self._stop_now.set()
@@ -345,80 +369,76 @@ class _WriterThread(threading.Thread):
                     continue
                 if piece is None:
                     return
-                self._pending.append(piece)
-                window = self.windows[piece.window]
-                if len(self._pending) == len(window.batches):
-                    self._flush(window)
-                    self._pending = []
+                self._stage(piece)
         except BaseException as exc:  # noqa: BLE001 - handed to the model thread
             self.error = exc
 
-    def _flush(self, window: Window) -> None:
-        pieces = self._pending
-        hosts = [p.layers_host() for p in pieces]
-        n_w = window.stop - window.start
-        owner = np.empty(n_w, dtype=np.int64)
-        row = np.empty(n_w, dtype=np.int64)
-        for k, p in enumerate(pieces):
-            owner[p.positions - window.start] = k
-            row[p.positions - window.start] = np.arange(len(p.positions))
-        first = max(window.start, self.skip_below)
-        for c in range(first, window.stop, self.chunk):
+    def _stage(self, piece: _Piece) -> None:
+        """Copy the real tokens (and per-row extras) of one batch into its window; flush a complete window."""
+        window = self.windows[piece.window]
+        staged = self._staged
+        if staged is None or staged.window is not window:
+            staged = self._staged = _Window(window, self.plan, self.spec, self._np_dtype, self._k)
+        hosts = piece.layers_host()
+        w0, plan = window.start, self.plan
+        for r, pos in enumerate(piece.positions.tolist()):
+            if pos < self.skip_below:
+                continue  # already durable from an interrupted run
+            j, s = pos - w0, int(piece.starts[r])
+            p = int(plan.prompt_lengths[pos])
+            q = int(plan.lengths[pos]) - p
+            for li, arr in enumerate(hosts):
+                staged.acts[j, li, :p] = arr[r, s : s + p]
+                if staged.resp is not None and q:
+                    staged.resp[j, li, :q] = arr[r, s + p : s + p + q]
+            if staged.token_labels is not None and piece.token_labels is not None:
+                staged.token_labels[j] = piece.token_labels[r]
+            if self._k:
+                assert piece.topk_values is not None and piece.topk_indices is not None and piece.logprobs is not None
+                staged.top_v[j], staged.top_i[j] = piece.topk_values[r], piece.topk_indices[r]  # type: ignore[index]
+                staged.ppl[j] = np.exp(-piece.logprobs[r, s : s + p + q - 1].astype(np.float64)).tolist()
+        staged.arrived += 1
+        if staged.arrived == len(window.batches):
+            self._staged = None
+            self._flush(staged)
+
+    def _flush(self, staged: _Window) -> None:
+        window = staged.window
+        for c in range(max(window.start, self.skip_below), window.stop, self.chunk):
             if self._stop_now.is_set():
                 return
-            positions = np.arange(c, min(c + self.chunk, window.stop))
-            self.writer.write_batch(self._batch(positions, pieces, hosts, owner, row, window.start))
+            self.writer.write_batch(self._batch(staged, c, min(c + self.chunk, window.stop)))
 
-    def _batch(self, positions: np.ndarray, pieces: list[_Piece], hosts: list[list[np.ndarray]], owner: np.ndarray,
-               row: np.ndarray, w0: int) -> Batch:
-        plan, ds, spec = self.plan, self.ds, self.spec
-        n, n_layers, t, d = len(positions), len(spec.layers), spec.max_tokens, spec.d_model
-        acts = np.zeros((n, n_layers, t, d), dtype=self.np_dtype)
-        resp = np.zeros((n, n_layers, plan.response_tokens, d), dtype=self.np_dtype) if plan.response_tokens else None
-        p_len = plan.prompt_lengths[positions]
-        r_len = plan.lengths[positions] - p_len
-        token_labels = np.zeros((n, t), dtype=np.uint8) if spec.has_token_labels else None
-        k = int(spec.options.get("logits_topk") or 0)
-        top_v = np.zeros((n, k), dtype=np.float32) if k else None
-        top_i = np.zeros((n, k), dtype=np.int64) if k else None
-        ppl: list[list[float]] = []
-        for j, pos in enumerate(positions):
-            piece, r = pieces[owner[pos - w0]], int(row[pos - w0])
-            s, p, q = int(piece.starts[r]), int(p_len[j]), int(r_len[j])
-            for li, arr in enumerate(hosts[owner[pos - w0]]):
-                acts[j, li, :p] = arr[r, s : s + p]
-                if resp is not None and q:
-                    resp[j, li, :q] = arr[r, s + p : s + p + q]
-            if token_labels is not None and piece.token_labels is not None:
-                token_labels[j] = piece.token_labels[r]
-            if k:
-                assert piece.topk_values is not None and piece.topk_indices is not None and top_v is not None
-                top_v[j], top_i[j] = piece.topk_values[r], piece.topk_indices[r]  # type: ignore[index]
-                assert piece.logprobs is not None
-                lp = piece.logprobs[r, s : s + p + q - 1].astype(np.float64)
-                ppl.append([float(x) for x in np.exp(-lp)])
+    def _batch(self, staged: _Window, start: int, stop: int) -> Batch:
+        """Positions [start, stop) of a complete window as a Batch (arrays are views of the staging arrays)."""
+        plan, ds = self.plan, self.ds
+        a, b = start - staged.window.start, stop - staged.window.start
+        positions = np.arange(start, stop)
+        p_len = plan.prompt_lengths[start:stop]
         g = plan.start + positions  # = machine_id * samples_per_machine + local_idx
-        token_ids = None
-        texts = responses = None
+        token_ids = texts = responses = None
         extra: dict[str, Any] = {}
         if plan.tokens is not None:
-            token_ids = np.zeros((n, t), dtype=np.int64)
-            for j, pos in enumerate(positions):
-                token_ids[j, : p_len[j]] = plan.tokens.ids(int(pos))[: p_len[j]]
+            token_ids = np.zeros((stop - start, self.spec.max_tokens), dtype=np.int64)
+            for j, pos in enumerate(range(start, stop)):
+                token_ids[j, : p_len[j]] = plan.tokens.ids(pos)[: p_len[j]]
             assert ds.texts is not None
-            texts = [ds.texts[int(i)] for i in g]
+            texts = list(ds.texts[plan.start + start : plan.start + stop])
             if ds.responses is not None:
-                responses = [ds.responses[int(i)] for i in g]
-            extra["truncated"] = [bool(x) for x in plan.tokens.truncated[positions]]
+                responses = list(ds.responses[plan.start + start : plan.start + stop])
+            extra["truncated"] = plan.tokens.truncated[start:stop].tolist()
         if ds.ids is not None:
-            extra["id"] = [str(ds.ids[int(i)]) for i in g]
-        if k:
-            extra["token_perplexity"] = ppl
+            extra["id"] = [str(x) for x in ds.ids[plan.start + start : plan.start + stop]]
+        if self._k:
+            extra["token_perplexity"] = staged.ppl[a:b]
+        resp = None if staged.resp is None else staged.resp[a:b]
         return Batch(
-            acts_bltd=acts, lengths=p_len.astype(np.int64), sample_ids=g.astype(np.int64), texts=texts,
-            labels=None if ds.labels is None else ds.labels[g], token_labels=token_labels, token_ids=token_ids,
-            response_bltd=resp, response_lengths=None if resp is None else r_len.astype(np.int64),
-            response_texts=responses, logits_topk_values=top_v, logits_topk_indices=top_i, extra=extra,
+            acts_bltd=staged.acts[a:b], lengths=p_len.astype(np.int64), sample_ids=g.astype(np.int64), texts=texts,
+            labels=None if ds.labels is None else ds.labels[g],
+            token_labels=None if staged.token_labels is None else staged.token_labels[a:b], token_ids=token_ids,
+            response_bltd=resp, response_lengths=None if resp is None else (plan.lengths[start:stop] - p_len).astype(np.int64),
+            response_texts=responses, logits_topk_values=None if staged.top_v is None else staged.top_v[a:b],
+            logits_topk_indices=None if staged.top_i is None else staged.top_i[a:b], extra=extra,
         )
 
 
@@ -457,11 +477,15 @@ def extract(cfg: ExtractConfig, *, model: LoadedModel | None = None, dataset: Da
         raise ConfigError(f"storage dtype must be one of {STORAGE_DTYPES}, got {dtype!r}")
     plan = _make_plan(loaded, ds, cfg)
     spec = build_spec(loaded, ds, cfg, layers, plan, dtype, device)
-    writer = create_writer(cfg.format, Path(cfg.out), spec)
+    try:
+        writer = create_writer(cfg.format, Path(cfg.out), spec)
+    except OSError as exc:
+        raise FormatError(f"cannot create the {cfg.format} store: {exc}", Path(cfg.out)) from exc
     resumed = min(int(writer.resume_from), plan.n)
     windows = plan_windows(plan.lengths, cfg.batch_size, cfg.bucket_batches)
     todo = [(i, w) for i, w in enumerate(windows) if w.stop > resumed]
-    thread = _WriterThread(writer, ds, plan, windows, spec, resumed, cfg.batch_size, cfg.queue_depth)
+    thread = _WriterThread(writer, ds, plan, windows, spec, resumed, cfg.batch_size, cfg.queue_depth, Path(cfg.out),
+                           cfg.format)
     n_tokens = int(plan.lengths[resumed:].sum())
     _, blocks = find_blocks(loaded.model)
     storage = getattr(torch, dtype)
@@ -479,9 +503,11 @@ def extract(cfg: ExtractConfig, *, model: LoadedModel | None = None, dataset: Da
                     bar.update(int(plan.lengths[positions[positions >= resumed]].sum()))
         thread.put(None)
         thread.join()
-        if thread.error is not None:
-            raise thread.error
-        path = writer.close()
+        thread.raise_error()
+        try:
+            path = writer.close()
+        except OSError as exc:
+            raise FormatError(f"publishing the {cfg.format} store failed: {exc}", Path(cfg.out)) from exc
     except BaseException:
         thread.stop()
         thread.join()
@@ -500,6 +526,14 @@ def _progress(enabled: bool, total: int, name: str) -> Any:
                 desc=f"extract {Path(name).name}", dynamic_ncols=True, mininterval=0.5)
 
 
+def _to_device(array: np.ndarray, dev: str, on_cuda: bool) -> Any:
+    """Host array -> tensor on `dev`; on CUDA through pinned memory with a non-blocking copy."""
+    import torch
+
+    tensor = torch.from_numpy(array)
+    return tensor.pin_memory().to(dev, non_blocking=True) if on_cuda else tensor
+
+
 def _run_batch(loaded: LoadedModel, ds: Dataset, plan: _Plan, cfg: ExtractConfig, capture: LayerCapture, wi: int,
                positions: np.ndarray, storage: Any, on_cuda: bool, k: int | None) -> _Piece:
     """One forward pass over the batch at `positions`; returns what the writer thread needs."""
@@ -510,8 +544,7 @@ def _run_batch(loaded: LoadedModel, ds: Dataset, plan: _Plan, cfg: ExtractConfig
     token_labels = None
     if loaded.geometry is not None:
         paths = [ds.images[plan.start + int(p)] for p in positions]  # type: ignore[index]
-        pixels = torch.from_numpy(load_pixels(paths, loaded.geometry))
-        pixels = pixels.to(device=dev, dtype=next(model.parameters()).dtype, non_blocking=True)
+        pixels = _to_device(load_pixels(paths, loaded.geometry), dev, on_cuda).to(next(model.parameters()).dtype)
         starts = np.zeros(len(positions), dtype=np.int64)
         if ds.masks is not None:
             offset = 1 if loaded.cls_token else 0
@@ -526,11 +559,8 @@ def _run_batch(loaded: LoadedModel, ds: Dataset, plan: _Plan, cfg: ExtractConfig
         padded = pad_batch([plan.tokens.ids(int(p)) for p in positions], int(loaded.tokenizer.pad_token_id),
                            cfg.padding_side)
         starts = padded.starts
-        inputs = {
-            "input_ids": torch.from_numpy(padded.input_ids).to(dev, non_blocking=True),
-            "attention_mask": torch.from_numpy(padded.attention_mask).to(dev, non_blocking=True),
-            "position_ids": torch.from_numpy(padded.position_ids).to(dev, non_blocking=True),
-        }
+        inputs = {name: _to_device(getattr(padded, name), dev, on_cuda)
+                  for name in ("input_ids", "attention_mask", "position_ids")}
         if loaded.causal_lm:
             inputs["use_cache"] = False  # type: ignore[assignment]
 

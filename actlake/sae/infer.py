@@ -10,7 +10,6 @@ every sample.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 import sys
@@ -149,14 +148,6 @@ def infer_reader(sae: SparseAutoencoder, reader: Reader, layer: int, *, device: 
     return InferenceResult(acts=mat, metrics=metrics, latent_counts=latent_counts)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def infer_run(run: "Run", shards: str | Path | None = None, *, device: str = "auto", overwrite: bool = False,
               progress: bool = True) -> Path:
     """Write `inference/<shard_hash>/{config.json, patch_acts.npz, metrics.json}` for the run's SAE.
@@ -166,7 +157,7 @@ def infer_run(run: "Run", shards: str | Path | None = None, *, device: str = "au
     RunError unless `overwrite`.
     """
     import actlake
-    from ..runs import shard_hash_of
+    from ..runs import file_sha256, shard_hash_of
 
     cfg = run.read_config()
     if not run.has_checkpoint:
@@ -179,7 +170,7 @@ def infer_run(run: "Run", shards: str | Path | None = None, *, device: str = "au
             raise RunError("shards directory does not exist", shards_path)
     shard_hash = shard_hash_of(shards_path)
     out = run.inference_dir(shard_hash)
-    ckpt_sha = _sha256(run.sae_path)
+    ckpt_sha = file_sha256(run.sae_path)
     if (out / "patch_acts.npz").is_file() and (out / "config.json").is_file() and not overwrite:
         try:
             old = json.loads((out / "config.json").read_text(encoding="utf-8"))

@@ -28,7 +28,6 @@ from .infer import load_patch_acts
 if TYPE_CHECKING:
     from ..runs import Run
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 TOKENIZER_KEYS = ("tokenizer", "tokenizer_path", "checkpoint_path", "model_path", "model_dir", "model_source", "ckpt", "model_name", "model")
 WORD_RE = re.compile(r"\w+|[^\w\s]", re.UNICODE)
 
@@ -221,10 +220,13 @@ def text_latent_page(latent: int, examples: list[tuple[int, int, float]], csc: s
 
 # ---- images ------------------------------------------------------------------------------
 
-def image_files(root: Path) -> list[Path]:
-    """Image files under `root` in ImageFolder order (sorted relative paths)."""
-    files = [p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+def image_files(root: Path, reader: Reader) -> list[Path]:
+    """The dataset's images numbered as the extraction numbered them (its mask tree left out)."""
+    from ..extract.datasets import list_images
+
+    described = reader.provenance.get("dataset")
+    masks = described.get("masks") if isinstance(described, dict) else None
+    return list_images(root, Path(masks) if masks else None)
 
 
 def image_latent_grid(latent: int, examples: list[tuple[int, int, float]], csc: sp.csc_matrix, images: list[Path],
@@ -366,7 +368,7 @@ def visuals_run(run: "Run", shard_hash: str | None = None, cfg: VisualsConfig | 
     with actlake.open(shards) as reader:
         sample_ids = reader.sample_ids
         dataset = run.dataset_for(shard_hash)
-        images = image_files(dataset) if dataset is not None and dataset.is_dir() else []
+        images = image_files(dataset, reader) if dataset is not None and dataset.is_dir() else []
         md = getattr(reader, "metadata", None)
         patch_offset = 1 if getattr(md, "cls_token", False) else 0
         mode = "image" if images else "text"
