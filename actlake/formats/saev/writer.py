@@ -164,7 +164,7 @@ class SaevWriter(Writer):
             raise ConfigError("this writer stores labels.bin but the batch has no token_labels")
         acts = batch.acts_bltd
         lengths = np.asarray(batch.lengths)
-        padded = bool(b) and int(lengths.min()) < t
+        padded = bool(b) and int(lengths.min()) < t and not batch.padding_is_zero
         if t < md.tokens_per_ex or padded or acts.dtype != np.float32 or not acts.flags.c_contiguous:
             full = np.zeros((b, n_layers, md.tokens_per_ex, d), dtype=np.float32)
             full[:, :, :t] = acts
