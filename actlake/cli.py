@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     except ActlakeError as exc:
         print(f"actlake {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print(f"actlake {args.command}: interrupted", file=sys.stderr)
         return 130

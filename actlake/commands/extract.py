@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--id-field", default=None, help="field holding a sample id (default: 'id' if present)")
     p.add_argument("--split", default=None, help="split of a load_from_disk DatasetDict (default train)")
     p.add_argument("--masks", default=None, help="segmentation mask folder mirroring an image folder")
+    p.add_argument("--generate-max-new-tokens", type=int, default=None, metavar="N",
+                   help="causal LMs: greedily generate N-token responses to the prompts first, then store prompt and "
+                        "response activations apart (the generated text is stored)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         max_seq_len=args.max_seq_len, batch_size=args.batch_size, dtype=args.dtype, model_dtype=args.model_dtype,
         machine_id=args.machine_id, num_machines=args.num_machines, device=args.device, limit=args.limit,
         options=parse_options(args.option), fields=fields, padding_side=args.padding_side,
-        progress=not args.no_progress,
+        progress=not args.no_progress, generate_max_new_tokens=args.generate_max_new_tokens,
     )
     result = extract(cfg)
     if result.n_samples and result.resumed_from >= result.n_samples:

@@ -24,9 +24,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2, default=str))
         return 0
     for key, value in summary.items():
-        if key == "provenance":
-            continue
-        print(f"{key:>16}: {value}")
+        if key != "provenance":
+            print(f"{key:>16}: {value}")
+    print("      provenance:")
     for key, value in summary["provenance"].items():
-        print(f"{'provenance.' + key:>16}: {value}" if len(key) < 6 else f"  provenance.{key}: {value}")
+        print(f"    {key}: {value}")
     return 0

@@ -36,6 +36,7 @@ from .batching import (
     tokenize_texts,
 )
 from .datasets import Dataset, DatasetFields, load_pixels, open_dataset, patch_labels
+from .generate import generate_responses
 from .layers import LayerCapture, find_blocks, normalize_layers
 from .models import LoadedModel, load_model, set_offline
 
@@ -73,6 +74,7 @@ class ExtractConfig:
     bucket_batches: int = 4
     queue_depth: int = 2
     progress: bool = False
+    generate_max_new_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 2:
@@ -91,6 +93,8 @@ class ExtractConfig:
             raise ConfigError(f"limit must be >= 1, got {self.limit}")
         if self.queue_depth < 1 or self.bucket_batches < 1:
             raise ConfigError("queue_depth and bucket_batches must be >= 1")
+        if self.generate_max_new_tokens is not None and self.generate_max_new_tokens < 1:
+            raise ConfigError(f"generate_max_new_tokens must be >= 1, got {self.generate_max_new_tokens}")
         k = self.options.get("logits_topk")
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ConfigError(f"option logits_topk must be a positive integer, got {k!r}")
@@ -467,6 +471,10 @@ def extract(cfg: ExtractConfig, *, model: LoadedModel | None = None, dataset: Da
     loaded = model or load_model(cfg.model, device=device, dtype=cfg.model_dtype)
     ds = dataset or open_dataset(cfg.data, cfg.fields, limit=cfg.limit)
     _check_match(loaded, ds)
+    if cfg.generate_max_new_tokens is not None:
+        start, stop, _ = machine_slice(len(ds), cfg.machine_id, cfg.num_machines)
+        ds = generate_responses(loaded, ds, max_new_tokens=cfg.generate_max_new_tokens, start=start, stop=stop,
+                                batch_size=cfg.batch_size, max_seq_len=cfg.max_seq_len, progress=cfg.progress)
     k = cfg.options.get("logits_topk")
     if k is not None and not loaded.causal_lm:
         raise ConfigError(f"option logits_topk needs a causal language model; {loaded.name} is {loaded.model_type}")
