@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -12,10 +11,10 @@ from typing import Any
 from ...atomic import resolve_inside
 from ...errors import (
     MetadataError,
-    MissingFileError,
     ProtocolVersionError,
     UnsafePathError,
 )
+from ...jsonio import read_json
 from ...spec import StoreSpec
 from .layout import EXTENSION_KEY, REQUIRED_FIELDS, is_int, plain
 
@@ -145,13 +144,7 @@ class PickleMetadata:
 def read_metadata(path: Path) -> PickleMetadata:
     """Validated metadata.json of a pickle-shard directory."""
     source = Path(path) / "metadata.json"
-    if not source.is_file():
-        raise MissingFileError("required file metadata.json is missing", source)
-    try:
-        obj = json.loads(source.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise MetadataError(f"not valid UTF-8 JSON: {exc}", source) from exc
-    return PickleMetadata.from_json(obj, source)
+    return PickleMetadata.from_json(read_json(source), source)
 
 
 def shard_path(root: Path, info: ShardInfo) -> Path:

@@ -10,28 +10,20 @@ import numpy as np
 
 from ...batch import Batch
 from ...errors import FormatError, MetadataError, MissingFileError, TruncatedFileError
+from ...jsonio import read_json
 from ...reader import Reader, TokenSegment
 from .metadata import FORMAT, SaevMetadata, shard_name
 
 
-def _read_json(path: Path) -> Any:
-    if not path.is_file():
-        raise MissingFileError(f"required file {path.name} is missing", path)
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise MetadataError(f"not valid UTF-8 JSON: {exc}", path) from exc
-
-
 def read_metadata(path: Path) -> SaevMetadata:
     """Validated metadata.json of a saev directory."""
-    return SaevMetadata.from_json(_read_json(path / "metadata.json"), source=path / "metadata.json")
+    return SaevMetadata.from_json(read_json(path / "metadata.json"), source=path / "metadata.json")
 
 
 def read_shards_json(path: Path, md: SaevMetadata) -> list[int]:
     """Validated example counts per shard from shards.json (checked against the sizing maths)."""
     source = path / "shards.json"
-    entries = _read_json(source)
+    entries = read_json(source)
     if not isinstance(entries, list):
         raise MetadataError("shards.json must hold a JSON array", source)
     counts: list[int] = []
@@ -179,7 +171,7 @@ class SaevReader(Reader):
         base = {"ckpt": self.metadata.ckpt, "family": self.metadata.family, "dataset": self.metadata.dataset,
                 "hash": self.metadata.hash}
         if f.exists():
-            base.update(_read_json(f))
+            base.update(read_json(f))
         return base
 
     def data_description(self) -> Any:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import MetadataError, MissingFileError, ProtocolVersionError
+from ...jsonio import read_json
 from .layout import (
     ACT_ARRAYS,
     MAX_DIMS,
@@ -23,16 +23,6 @@ from .layout import (
     SCHEMA_VERSION,
     is_int,
 )
-
-
-def read_json(path: Path) -> Any:
-    """Parsed UTF-8 JSON of `path`; MissingFileError / MetadataError naming it."""
-    if not path.is_file():
-        raise MissingFileError(f"required file {path.name} is missing", path)
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MetadataError(f"not valid UTF-8 JSON: {exc}", path) from exc
 
 
 def np_dtype(text: str, source: Path) -> np.dtype:
