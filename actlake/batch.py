@@ -29,8 +29,6 @@ class Batch:
         pair (the Zarr logger stores the two apart); `acts_bltd` is then the prompt part.
     logits_topk_values / logits_topk_indices: optional [B, k] top-k logits at the last token.
     extra: optional per-sample columns, each a sequence of length B (lmprobe user columns).
-    padding_is_zero: the producer guarantees every padding position already holds 0 (writers then
-        skip masking it; the extraction engine sets it, since it builds batches in zeroed arrays).
     """
 
     acts_bltd: np.ndarray
@@ -46,7 +44,6 @@ class Batch:
     logits_topk_values: np.ndarray | None = None
     logits_topk_indices: np.ndarray | None = None
     extra: dict[str, Sequence[Any]] = field(default_factory=dict)
-    padding_is_zero: bool = False
 
     def __post_init__(self) -> None:
         acts = self.acts_bltd
@@ -109,5 +106,4 @@ class Batch:
             logits_topk_values=pick(self.logits_topk_values),
             logits_topk_indices=pick(self.logits_topk_indices),
             extra={k: pick(v) for k, v in self.extra.items()},
-            padding_is_zero=self.padding_is_zero,
         )

@@ -443,7 +443,6 @@ class _WriterThread(threading.Thread):
             response_bltd=resp, response_lengths=None if resp is None else (plan.lengths[start:stop] - p_len).astype(np.int64),
             response_texts=responses, logits_topk_values=None if staged.top_v is None else staged.top_v[a:b],
             logits_topk_indices=None if staged.top_i is None else staged.top_i[a:b], extra=extra,
-            padding_is_zero=True,  # staging arrays start zeroed and only real tokens are copied in
         )
 
 

@@ -139,6 +139,7 @@ class SaevWriter(Writer):
             write_bytes_atomic(self.tmp_path / ".texts" / f"{self._shard_idx:06d}.jsonl",
                                "".join(self._text_lines).encode("utf-8"))
         self._text_lines = []
+        os.ftruncate(self._file.fileno(), self._counts[self._shard_idx] * self.metadata.example_bytes)  # trailing holes
         os.fsync(self._file.fileno())
         self._file.close()
         self._file = None
@@ -162,28 +163,44 @@ class SaevWriter(Writer):
             raise ConfigError(f"more examples than n_examples={md.n_examples}")
         if self._token_labels and batch.token_labels is None:
             raise ConfigError("this writer stores labels.bin but the batch has no token_labels")
-        acts = batch.acts_bltd
-        lengths = np.asarray(batch.lengths)
-        padded = bool(b) and int(lengths.min()) < t and not batch.padding_is_zero
-        if t < md.tokens_per_ex or padded or acts.dtype != np.float32 or not acts.flags.c_contiguous:
-            full = np.zeros((b, n_layers, md.tokens_per_ex, d), dtype=np.float32)
-            full[:, :, :t] = acts
-            if padded:  # padding positions are stored as zeros, whatever the model put there
-                full.transpose(0, 2, 1, 3)[np.arange(md.tokens_per_ex)[None, :] >= lengths[:, None]] = 0
-            acts = full
+        acts = np.ascontiguousarray(batch.acts_bltd, dtype=np.float32)
+        lengths = np.asarray(batch.lengths, dtype=np.int64)
         start = 0
         while start < b:
             if self._file is None:
                 self._open_shard()
             room = self._counts[self._shard_idx] - self._in_shard
             take = min(room, b - start)
-            self._file.write(memoryview(acts[start : start + take]).cast("B"))
+            self._write_examples(acts[start : start + take], lengths[start : start + take])
             self._record(batch, start, take)
             self._in_shard += take
             self._next += take
             start += take
             if self._in_shard == self._counts[self._shard_idx]:
                 self._commit_shard()
+
+    def _write_examples(self, acts_bltd: np.ndarray, lengths: np.ndarray) -> None:
+        """Write examples at the shard's next position: real tokens only.
+
+        Padding is never written: it stays a hole in the file, which reads as zeros (the shard is
+        extended to its full size before it is committed), so padding costs neither copies nor
+        disk writes, and whatever the model left in padding positions never reaches the file.
+        """
+        md = self.metadata
+        fd = self._file.fileno()
+        n_layers, t, t_full = acts_bltd.shape[1], acts_bltd.shape[2], md.tokens_per_ex
+        layer_bytes = t_full * md.d_model * 4
+        base = self._in_shard * md.example_bytes
+        if t == t_full and (lengths == t_full).all():
+            _pwrite_all(fd, acts_bltd, base)  # dense: one write for the whole run of examples
+            return
+        for i, n in enumerate(lengths.tolist()):
+            offset = base + i * md.example_bytes
+            if n == t_full and t == t_full:
+                _pwrite_all(fd, acts_bltd[i], offset)
+            elif n:
+                for li in range(n_layers):
+                    _pwrite_all(fd, acts_bltd[i, li, :n], offset + li * layer_bytes)
 
     def _record(self, batch: Batch, start: int, take: int) -> None:
         pos = slice(self._next, self._next + take)
@@ -249,3 +266,11 @@ def create_writer(out_root: Path, spec: StoreSpec) -> SaevWriter:
     """Format-registry entry point."""
     return SaevWriter(out_root, metadata_from_spec(spec), token_labels=spec.has_token_labels,
                       provenance=spec.provenance)
+
+
+def _pwrite_all(fd: int, array: np.ndarray, offset: int) -> None:
+    """Write a C-contiguous array's bytes at `offset`, finishing short writes."""
+    view = memoryview(array).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
