@@ -95,7 +95,7 @@ class ZarrReaderBase(Reader):
         lis = [self.layer_index(x) for x in np.asarray(layers).reshape(-1)]
         if len(lis) != len(idx):
             raise ConfigError(f"gather needs one layer per sample, got {len(idx)} samples and {len(lis)} layers")
-        out = np.zeros((len(idx), cap, self.d_model), dtype=np.float16)
+        out = np.empty((len(idx), cap, self.d_model), dtype=np.float16)  # _read_many zeroes the padding
         n_tokens = lens[idx].tolist()
         self._read_many(name, [(s, li, n, out[k]) for k, (s, li, n) in enumerate(zip(idx.tolist(), lis, n_tokens))])
         return out
@@ -110,7 +110,7 @@ class ZarrReaderBase(Reader):
     def _block(self, name: str, idx: np.ndarray, lis: list[int]) -> np.ndarray:
         """(len(idx), len(lis), cap, H) float16 of samples x layer positions, zero-padded."""
         cap, lens = (self.max_tokens, self._prompt_len) if name == PROMPT else (self.r_max, self._response_len)
-        out = np.zeros((len(idx), len(lis), cap, self.d_model), dtype=np.float16)
+        out = np.empty((len(idx), len(lis), cap, self.d_model), dtype=np.float16)  # _read_many zeroes the padding
         n_tokens = lens[idx].tolist()
         self._read_many(name, [(s, li, n, out[b, j]) for b, (s, n) in enumerate(zip(idx.tolist(), n_tokens))
                                for j, li in enumerate(lis)])
@@ -135,6 +135,8 @@ class ZarrReaderBase(Reader):
             for s, li, n, view in group:
                 if n:
                     self._read(name, s, li, 0, n, view[:n])
+                if n < len(view):
+                    view[n:] = 0  # destinations are uninitialised (fresh zeroed pages cost a fault each)
 
         threads = self.read_threads
         if threads <= 1 or len(tasks) < 2 * threads or not self._parallel_ok():

@@ -145,7 +145,10 @@ class ZarrReader(ZarrReaderBase):
             return
         by_layer: dict[int, list[ReadTask]] = {}
         for task in tasks:
-            if task[2]:
+            n, view = task[2], task[3]
+            if n < len(view):
+                view[n:] = 0  # destinations are uninitialised
+            if n:
                 by_layer.setdefault(task[1], []).append(task)
         cap = self._array(part).shape[2]
         step = max(1, API_BLOCK_BYTES // max(1, cap * self.d_model * 2))
