@@ -6,8 +6,9 @@ import json
 import os
 import shutil
 import stat
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Iterator
 
 from .errors import UnsafePathError
 
@@ -35,16 +36,27 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file, fsync and rename."""
+@contextmanager
+def atomic_file(path: Path) -> Iterator[BinaryIO]:
+    """A binary file that appears at `path` only complete: written under a temporary name, fsynced, renamed."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file, fsync and rename."""
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def write_json_atomic(path: Path, obj: Any, *, indent: int | None = 2) -> None:
@@ -82,18 +94,40 @@ def remove_tree(root: Path) -> None:
         shutil.rmtree(root)
 
 
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under `root`."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            p = Path(dirpath) / name
+            if not p.is_symlink():
+                fsync_file(p)
+        fsync_dir(Path(dirpath))
+
+
+def replace_dir(tmp: Path, final: Path) -> Path:
+    """Put a finished temporary directory in place of `final` (which may exist), never leaving neither.
+
+    The old directory is first renamed aside (`.<name>.old-<pid>`), so a crash between the two
+    renames leaves it recoverable; it is deleted once the new one is in place.
+    """
+    fsync_tree(tmp)
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    if final.exists():
+        remove_tree(old)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    remove_tree(old)
+    return final
+
+
 def publish_dir(tmp: Path, final: Path, *, read_only: bool = True) -> Path:
     """Rename a finished temporary directory to its final name, fsyncing files first.
 
     If `final` already exists (a concurrent writer published identical content first), the
     temporary directory is discarded and `final` is returned unchanged.
     """
-    for dirpath, _, filenames in os.walk(tmp):
-        for name in filenames:
-            p = Path(dirpath) / name
-            if not p.is_symlink():
-                fsync_file(p)
-        fsync_dir(Path(dirpath))
+    fsync_tree(tmp)
     if read_only:
         make_read_only(tmp)
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,20 +35,6 @@ FIXED_DTYPES: dict[str, str] = {"saev": "float32", "pickle": "float32", "zarr": 
 #: dtypes a target may be asked for with `dtype=`
 ALLOWED_DTYPES = ("float32", "float16", "bfloat16")
 DEFAULT_BATCH_BYTES = 64 << 20
-
-
-def parse_options(pairs: Sequence[str] | None) -> dict[str, Any]:
-    """`k=v` strings to a dict; values are JSON when they parse as JSON (numbers, true, lists), else strings."""
-    out: dict[str, Any] = {}
-    for pair in pairs or ():
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"option {pair!r} is not KEY=VALUE")
-        try:
-            out[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.strip()] = value
-    return out
 
 
 def _model_name(prov: Mapping[str, Any]) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import MetadataError, RunError
+from .hashing import file_sha256
 
 ENV_SCRATCH = "ACTLAKE_SCRATCH"
 ENV_NFS = "ACTLAKE_NFS"
@@ -69,15 +70,6 @@ def resolve_shards_arg(value: str | Path) -> Path:
     if isinstance(value, str) and _bare_name(value) and not p.exists() and (shards_root() / value).exists():
         return shards_root() / value
     return p
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a file's bytes (checkpoint identity), read in 1 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def shard_hash_of(path: Path) -> str:

@@ -133,10 +133,9 @@ class ShuffledTokenLoader:
         self.epoch = 0
         self.d_model = reader.d_model
         self._segments: list[TokenSegment] = reader.token_segments(layer)
-        row_index = [seg.row_index() for seg in self._segments]
-        sizes = np.array([len(r) for r in row_index], dtype=np.int64)
-        #: global token position p (segments concatenated) -> row within its segment
-        self._rows = np.concatenate(row_index) if row_index else np.zeros(0, np.int64)
+        # per sample, not per token: rows are computed from token positions batch by batch
+        self._token_starts = [np.cumsum(seg.lengths.astype(np.int64)) - seg.lengths for seg in self._segments]
+        sizes = np.array([seg.n_tokens for seg in self._segments], dtype=np.int64)
         self._seg_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.n_tokens = int(sizes.sum())
 
@@ -190,9 +189,12 @@ class ShuffledTokenLoader:
     def gather(self, positions: np.ndarray) -> np.ndarray:
         """The (B, D) float32 rows at sorted global positions, one vectorised take per segment."""
         out = np.empty((len(positions), self.d_model), dtype=np.float32)
-        rows = self._rows[positions]
         for k, a, b in self._segment_slices(positions):
-            np.take(self._segments[k].rows_2d, rows[a:b], axis=0, out=out[a:b])
+            seg, starts = self._segments[k], self._token_starts[k]
+            q = positions[a:b] - self._seg_starts[k]  # token position within the segment
+            sample = np.searchsorted(starts, q, side="right") - 1
+            rows = seg.base_rows[sample] + (q - starts[sample])
+            np.take(seg.rows_2d, rows, axis=0, out=out[a:b])
         return out
 
     def _index(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -151,7 +151,7 @@ def sae_checkpoint(context: dg.AssetExecutionContext, config: SAETrainingConfig,
 
 
 @dg.asset(
-    deps=[sae_checkpoint], partitions_def=layer_partitions, group_name="sae",
+    deps=[sae_checkpoint], partitions_def=layer_partitions, pool="gpu", group_name="sae",
     automation_condition=dg.AutomationCondition.eager(),
     check_specs=[dg.AssetCheckSpec("latents_alive", asset="inference_dump",
                                    description="fewer than 90% of latents dead on the held-out shards")],

@@ -15,7 +15,7 @@ class DeviceResource(dg.ConfigurableResource):
     _resolved: str = PrivateAttr(default="cpu")
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
-        from actlake.extract.engine import resolve_device
+        from actlake.devices import resolve_device
 
         self._resolved = resolve_device(self.device)
 

@@ -16,7 +16,8 @@ import pytest
 import actlake
 from actlake import convert as convert_mod
 from actlake.cli import main as cli_main
-from actlake.convert import batch_size_for, convert, parse_options, spec_for
+from actlake.convert import batch_size_for, convert, spec_for
+from actlake.options import parse_options
 from actlake.errors import ConfigError, UnknownFormatError
 from actlake.formats import available_formats, detect_format
 
@@ -266,6 +267,8 @@ def test_recreated_source_at_the_same_path_is_converted_again(tmp_path: Path, so
 def test_parse_options() -> None:
     assert parse_options(["shard_bytes=1000", "compressed=false", "name=abc", "x=[1,2]"]) == {
         "shard_bytes": 1000, "compressed": False, "name": "abc", "x": [1, 2]}
+    assert parse_options(["a=None", "b=True", "c=01", "d=2.5", "e=null"]) == {"a": None, "b": True, "c": "01", "d": 2.5,
+                                                                             "e": None}
     with pytest.raises(ConfigError):
         parse_options(["novalue"])
 

@@ -125,3 +125,15 @@ def test_sequence_dataset_with_workers(text_store: tuple[Path, np.ndarray, np.nd
 def test_loader_rejects_unknown_layer(text_store: tuple[Path, np.ndarray, np.ndarray]) -> None:
     with pytest.raises(LayerNotStoredError):
         ShuffledTokenLoader(text_store[0], 2)
+
+
+def test_shuffled_loader_with_empty_samples(tmp_path: Path, rng: np.random.Generator) -> None:
+    acts = rng.standard_normal((9, 1, 4, 3)).astype(np.float32)
+    lengths = np.array([0, 3, 0, 0, 4, 1, 0, 2, 0])
+    out = write_saev(tmp_path, acts, layers=(0,), lengths=lengths, patches_per_shard=4 * 4)
+    loader = ShuffledTokenLoader(out, 0, batch_size=3, block_tokens=2, window_blocks=2, return_index=True)
+    seen = []
+    for x, samples, tokens in loader:
+        assert np.array_equal(x.numpy(), acts[samples.numpy(), 0, tokens.numpy()])
+        seen += list(zip(samples.tolist(), tokens.tolist()))
+    assert sorted(seen) == [(s, t) for s in range(9) for t in range(lengths[s])]

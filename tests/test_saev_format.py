@@ -152,6 +152,10 @@ def test_newer_upstream_field_names(tmp_path: Path, rng: np.random.Generator) ->
     (copy / "metadata.json").write_text(json.dumps(md))
     reader = actlake.open(copy)
     assert reader.max_tokens == 2 and np.array_equal(reader.get(2, 0), acts[2, 0])
+    # named by the hash of its metadata.json as written (upstream names included), it verifies clean
+    named = tmp_path / hashlib.sha256(json.dumps(md, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    copy.rename(named)
+    assert actlake.verify(named) == []
 
 
 # ---- hostile input -------------------------------------------------------------------------
@@ -240,10 +244,31 @@ def test_verify_reports_hash_mismatch(store: Path) -> None:
 
 
 def test_verify_clean_and_dirty(tmp_path: Path, rng: np.random.Generator) -> None:
-    out = write_saev(tmp_path, _acts(rng, 4, 1, 2, 3), layers=(0,))
+    out = write_saev(tmp_path / "root", _acts(rng, 4, 1, 2, 3), layers=(0,), patches_per_shard=2 * 2)
     assert actlake.verify(out) == []
-    problems = verify(out.parent / "missing")
-    assert problems
+    assert verify(out.parent / "missing")
+
+    def corrupted(name: str, damage: object) -> list[str]:
+        copy = tmp_path / name / out.name  # same (valid) directory name: only the damage is reported
+        copy.mkdir(parents=True)
+        for f in out.iterdir():
+            (copy / f.name).write_bytes(f.read_bytes())
+        damage(copy)  # type: ignore[operator]
+        return verify(copy)
+
+    def nan(d: Path) -> None:
+        x = np.fromfile(d / "acts000001.bin", "<f4")
+        x[3] = np.nan
+        x.tofile(d / "acts000001.bin")
+
+    problems = corrupted("nan", nan)
+    assert len(problems) == 1 and "non-finite" in problems[0] and "acts000001.bin" in problems[0]
+    problems = corrupted("extra", lambda d: (d / "acts000009.bin").write_bytes(b""))
+    assert len(problems) == 1 and "not listed in shards.json" in problems[0]
+    problems = corrupted("dup", lambda d: np.zeros(4, "<i8").tofile(d / "sample_ids.bin"))
+    assert len(problems) == 1 and "not unique" in problems[0]
+    problems = corrupted("jsonl", lambda d: (d / "samples.jsonl").write_text("{}\n"))
+    assert len(problems) == 1 and "samples.jsonl" in problems[0]
 
 
 def test_data_field_never_unpickled_unless_asked(tmp_path: Path, store: Path) -> None:

@@ -24,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Convert, verify (unless --no-verify) and print the published path."""
-    from ..convert import convert, parse_options
+    from ..convert import convert
+    from ..options import parse_options
     from ..errors import ConfigError
 
     if not args.batch_mb > 0:

@@ -3,37 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from ..errors import ConfigError
+from ..options import parse_options
 
 NAME = "extract"
 HELP = "extract activations of a model over a dataset into a store (resumes an interrupted run)"
-
-
-def parse_option(text: str) -> tuple[str, Any]:
-    """`key=value` -> (key, value) with value read as int, float, bool, none or string."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"--option must look like key=value, got {text!r}")
-    value: Any = raw
-    low = raw.strip().lower()
-    if low in ("true", "false"):
-        value = low == "true"
-    elif low in ("none", "null"):
-        value = None
-    else:
-        for cast in (int, float):
-            try:
-                value = cast(raw)
-                break
-            except ValueError:
-                continue
-    return key.strip(), value
-
-
-def parse_options(items: list[str] | None) -> dict[str, Any]:
-    return dict(parse_option(x) for x in items or [])
 
 
 def add_common_arguments(p: argparse.ArgumentParser) -> None:

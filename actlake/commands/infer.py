@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="activation directory to encode (default: links/val-shards, else links/train-shards)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--overwrite", action="store_true", help="replace a dump made from another checkpoint")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true", help="no progress bar on stderr")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
 
     run = open_run(args.run)
     shards = None if args.shards is None else resolve_shards_arg(args.shards)
-    out = infer_run(run, shards, device=args.device, overwrite=args.overwrite, progress=not args.quiet)
+    out = infer_run(run, shards, device=args.device, overwrite=args.overwrite, progress=not args.no_progress)
     metrics = json.loads((out / "metrics.json").read_text(encoding="utf-8"))
     print(json.dumps({"inference": str(out), **{k: metrics[k] for k in
                                                  ("n_tokens", "nmse", "explained_variance", "l0", "dead_frac")}}))

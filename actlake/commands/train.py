@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--no-normalise", action="store_true", help="train on raw activations (no input scaling)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint / re-point links")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true", help="no progress bar on stderr")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
                       batch_size=args.batch_size or 4096, min_steps_per_epoch=0 if args.batch_size else 16,
                       lr=args.lr, seed=args.seed, device=args.device,
                       normalise=not args.no_normalise)
-    result = train_run(run, cfg, overwrite=args.overwrite, progress=not args.quiet)
+    result = train_run(run, cfg, overwrite=args.overwrite, progress=not args.no_progress)
     last = result.loss_curve[-1] if result.loss_curve else {}
     print(json.dumps({"run": str(run.path), "checkpoint": str(run.sae_path), "layer": layer,
                       "n_latents": result.sae.config.n_latents, "tokens_seen": result.tokens_seen,

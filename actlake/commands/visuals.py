@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-latents", type=int, default=32, help="latents to draw, by total activation")
     p.add_argument("--latents", default=None, help="comma-separated latent ids to draw instead of the ranking")
     p.add_argument("--contexts", type=int, default=16, help="examples per latent")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true", help="no progress bar on stderr")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,6 +30,6 @@ def run(args: argparse.Namespace) -> int:
         except ValueError:
             raise ConfigError(f"--latents must be comma-separated integers, got {args.latents!r}") from None
     cfg = VisualsConfig(top_latents=args.top_latents, contexts=args.contexts, latents=latents)
-    out = visuals_run(open_run(args.run), args.shards_hash, cfg, progress=not args.quiet)
+    out = visuals_run(open_run(args.run), args.shards_hash, cfg, progress=not args.no_progress)
     print(out / "index.html")
     return 0

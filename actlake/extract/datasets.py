@@ -21,7 +21,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from ..errors import ConfigError, DatasetError
-from .models import file_sha256
+from ..hashing import file_sha256
 
 BUILTIN_PREFIX = "builtin:"
 STDLIB_DOCS = "builtin:stdlib-docs"

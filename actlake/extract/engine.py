@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..batch import Batch
+from ..devices import check_device, resolve_device
 from ..errors import ConfigError, DatasetError, FormatError
 from ..spec import StoreSpec
 from .batching import (
@@ -41,7 +42,6 @@ from .layers import LayerCapture, find_blocks, normalize_layers
 from .models import LoadedModel, load_model, set_offline
 
 STORAGE_DTYPES = ("float32", "float16")
-DEVICES = ("auto", "cpu", "cuda")
 LAYER_NUMBERING = "layer l = output of block l = hidden_states[l + 1]; negative indices count from the end"
 
 
@@ -83,8 +83,7 @@ class ExtractConfig:
             raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.dtype is not None and self.dtype not in STORAGE_DTYPES:
             raise ConfigError(f"storage dtype must be one of {STORAGE_DTYPES}, got {self.dtype!r}")
-        if self.device not in DEVICES and not str(self.device).startswith("cuda:"):
-            raise ConfigError(f"device must be one of {DEVICES} (or cuda:N), got {self.device!r}")
+        check_device(self.device)
         if self.padding_side not in PADDING_SIDES:
             raise ConfigError(f"padding_side must be one of {PADDING_SIDES}, got {self.padding_side!r}")
         if not 0 <= self.machine_id < self.num_machines:
@@ -111,17 +110,6 @@ class ExtractResult:
     n_tokens: int
     seconds: float
     batches: int
-
-
-def resolve_device(device: str) -> str:
-    """'auto' -> 'cuda' when a GPU is visible, else 'cpu'."""
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device {device!r} requested but torch sees no CUDA device")
-    return device
 
 
 def created_at() -> str:

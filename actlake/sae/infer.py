@@ -21,7 +21,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from ..atomic import fsync_dir, remove_tree, write_json_atomic
+from ..atomic import remove_tree, replace_dir, write_json_atomic
 from ..errors import ConfigError, RunError
 from ..reader import Reader
 from .model import SparseAutoencoder, load_sae
@@ -211,18 +211,7 @@ def infer_run(run: "Run", shards: str | Path | None = None, *, device: str = "au
         "checkpoint_sha256": ckpt_sha,
         "sae": sae.config.to_json(),
     })
-    for f in tmp.iterdir():
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    fsync_dir(tmp)
-    if out.exists():
-        remove_tree(out)
-    os.rename(tmp, out)
-    fsync_dir(out.parent)
-    return out
+    return replace_dir(tmp, out)
 
 
 def load_patch_acts(inference_dir: Path) -> sp.csr_matrix:

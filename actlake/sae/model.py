@@ -261,21 +261,12 @@ def save_sae(path: Any, sae: SparseAutoencoder, **extra: Any) -> None:
     Layout: {"format": CHECKPOINT_FORMAT, "config": SAEConfig dict, "state_dict": {name:
     tensor}, **extra}; every extra value must be JSON-like (str/int/float/bool/list/dict/None).
     """
-    import os
-    from pathlib import Path
+    from ..atomic import atomic_file
 
-    from ..atomic import fsync_dir
-
-    path = Path(path)
     state = {k: v.detach().cpu().contiguous() for k, v in sae.state_dict().items()}
     blob = {"format": CHECKPOINT_FORMAT, "config": sae.config.to_json(), "state_dict": state, **extra}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with atomic_file(path) as f:
         torch.save(blob, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def load_sae(path: Any, *, device: str | torch.device = "cpu") -> tuple[SparseAutoencoder, dict[str, Any]]:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .. import devices
 from ..errors import ConfigError, DatasetError
 from ..reader import Reader
 from ..torch import ShuffledTokenLoader
@@ -21,19 +22,12 @@ from .model import SAEConfig, SparseAutoencoder
 if TYPE_CHECKING:
     from ..runs import Run
 
-DEVICES = ("auto", "cpu", "cuda")
 SCALE_SAMPLE_TOKENS = 65_536
 
 
 def resolve_device(device: str) -> torch.device:
     """'auto' -> CUDA when available else CPU; 'cuda' without a GPU is a ConfigError."""
-    if device not in DEVICES and not device.startswith("cuda:"):
-        raise ConfigError(f"device must be one of {DEVICES} (or cuda:N), got {device!r}")
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device {device!r} was asked for but torch sees no CUDA device")
-    return torch.device(device)
+    return torch.device(devices.resolve_device(device))
 
 
 @dataclass(frozen=True)
@@ -79,8 +73,7 @@ class TrainConfig:
             raise ConfigError("decay_frac must be in [0, 1]; warmup_steps and grad_clip >= 0")
         if self.dead_after_tokens is not None and self.dead_after_tokens < 1:
             raise ConfigError(f"dead_after_tokens must be >= 1, got {self.dead_after_tokens}")
-        if self.device not in DEVICES and not self.device.startswith("cuda:"):
-            raise ConfigError(f"device must be one of {DEVICES} (or cuda:N), got {self.device!r}")
+        devices.check_device(self.device)
         self.sae_config(1)  # validates activation / coefficients early
 
     def sae_config(self, d_model: int) -> SAEConfig:
@@ -163,8 +156,9 @@ def train_sae(source: str | Path | Reader, cfg: TrainConfig, *, progress: bool =
     Deterministic for a given seed on CPU: weights come from a seeded generator, batches from
     the loader's (seed, epoch) permutation, and nothing else is random.
     """
-    import actlake
     from tqdm.auto import tqdm
+
+    import actlake
 
     device = resolve_device(cfg.device)
     reader = source if isinstance(source, Reader) else actlake.open(source)
@@ -252,6 +246,7 @@ def train_run(run: "Run", cfg: TrainConfig, *, overwrite: bool = False, progress
     import datetime
 
     import actlake
+
     from ..atomic import write_json_atomic
     from ..errors import RunError
     from ..runs import RUN_CONFIG_FORMAT, shard_hash_of

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import scipy.sparse as sp
 
-from ..atomic import fsync_dir, remove_tree
+from ..atomic import remove_tree, replace_dir
 from ..errors import ConfigError, RunError
 from ..reader import Reader
 from .infer import load_patch_acts
@@ -399,10 +399,4 @@ def visuals_run(run: "Run", shard_hash: str | None = None, cfg: VisualsConfig | 
             f"token strings: {html.escape(token_method)}; dataset: {html.escape(str(dataset))}</p>"
             f"<h2>top latents</h2><ol>{''.join(entries)}</ol>")
     (tmp / "index.html").write_text(_page(title, body), encoding="utf-8")
-    fsync_dir(tmp)
-    out = inf / "visuals"
-    if out.exists():
-        remove_tree(out)
-    os.rename(tmp, out)
-    fsync_dir(inf)
-    return out
+    return replace_dir(tmp, inf / "visuals")

@@ -14,6 +14,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from ... import hashing
 from ...errors import (
     FormatError,
     HashMismatchError,
@@ -132,12 +133,8 @@ def load_shard_file(path: Path, *, compressed: bool, checksum: str | None = None
 
 
 def file_sha256(path: Path) -> str:
-    """`sha256:<hex>` of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(CHUNK_BYTES), b""):
-            h.update(chunk)
-    return f"sha256:{h.hexdigest()}"
+    """`sha256:<hex>` of a file's bytes (the spec's checksum notation)."""
+    return f"sha256:{hashing.file_sha256(path)}"
 
 
 @dataclass(frozen=True)

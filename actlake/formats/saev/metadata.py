@@ -92,6 +92,8 @@ class SaevMetadata:
     dtype: str = "float32"
     protocol: str = PROTOCOL
     extra: dict[str, Any] = field(default_factory=dict)  # unknown keys kept on read (e.g. pixel_agg)
+    #: the metadata.json object exactly as read (upstream field names included): what HASH is of
+    on_disk: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
@@ -146,7 +148,8 @@ class SaevMetadata:
 
     @property
     def hash(self) -> str:
-        return metadata_hash(self.to_json())
+        """The spec's HASH of metadata.json as written (as read, for a directory opened from disk)."""
+        return metadata_hash(self.on_disk if self.on_disk is not None else self.to_json())
 
     def decode_data(self, *, source: Path | None = None) -> Any:
         """The dataset description: restricted-unpickled from base64 (never a plain pickle.load)."""
@@ -163,7 +166,7 @@ class SaevMetadata:
         """Validate a parsed metadata.json (aliases of newer upstream names accepted)."""
         if not isinstance(obj, dict):
             raise MetadataError("metadata.json must hold a JSON object", source)
-        obj = dict(obj)
+        raw, obj = obj, dict(obj)
         for alias, name in FIELD_ALIASES.items():
             if alias in obj and name not in obj:
                 obj[name] = obj.pop(alias)
@@ -179,7 +182,7 @@ class SaevMetadata:
         check_protocol(obj["protocol"], source)
         extra = {k: v for k, v in obj.items() if k not in _FIELD_TYPES}
         try:
-            return cls(**{k: obj[k] for k in _FIELD_TYPES}, extra=extra)
+            return cls(**{k: obj[k] for k in _FIELD_TYPES}, extra=extra, on_disk=raw)
         except ConfigError as exc:
             raise MetadataError(exc.problem, source) from exc
 

@@ -168,11 +168,11 @@ class SaevReader(Reader):
     @property
     def provenance(self) -> dict[str, Any]:
         f = self.path / "provenance.json"
-        base = {"ckpt": self.metadata.ckpt, "family": self.metadata.family, "dataset": self.metadata.dataset,
-                "hash": self.metadata.hash}
-        if f.exists():
-            base.update(read_json(f))
-        return base
+        out = dict(read_json(f)) if f.exists() else {}
+        # identity facts come from the hashed metadata.json; the unhashed provenance.json cannot override them
+        out.update(ckpt=self.metadata.ckpt, family=self.metadata.family, dataset=self.metadata.dataset,
+                   hash=self.metadata.hash)
+        return out
 
     def data_description(self) -> Any:
         """The `data` field decoded with the restricted unpickler (only when asked)."""
