@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
-from .errors import UnsafePathError
+from .errors import FormatError, UnsafePathError
 
 
 def fsync_file(path: Path) -> None:
@@ -150,3 +150,33 @@ def resolve_inside(root: Path, relative: str, *, source: Path | None = None) -> 
     if candidate != root_resolved and root_resolved not in candidate.parents:
         raise UnsafePathError(f"path {relative!r} escapes the dataset root {root_resolved}", source or root)
     return candidate
+
+
+class WriterLock:
+    """An exclusive, non-blocking lock on `<tmp>.lock` beside a writer's temporary directory.
+
+    Two writers of one store would corrupt each other's temporary files; the second one gets a
+    FormatError naming the store. The kernel drops the lock when its process dies (kill -9), so
+    a later run can resume.
+    """
+
+    def __init__(self, tmp_path: Path) -> None:
+        import fcntl
+
+        self.path = Path(tmp_path).with_name(Path(tmp_path).name + ".lock")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise FormatError("another process is writing this store right now", tmp_path) from None
+        self._fd: int | None = fd
+
+    def release(self, *, remove: bool) -> None:
+        """Let go (closing the descriptor releases the flock); `remove` also deletes the lock file."""
+        if self._fd is None:
+            return
+        if remove:
+            self.path.unlink(missing_ok=True)
+        os.close(self._fd)
+        self._fd = None

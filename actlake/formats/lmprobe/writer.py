@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from actlake.atomic import publish_dir, remove_tree
+from actlake.atomic import WriterLock, publish_dir, remove_tree
 from actlake.batch import Batch
 from actlake.errors import ConfigError, FormatError
 from actlake.formats.lmprobe.codec import encode_rows
@@ -67,11 +67,13 @@ class LmprobeWriter(Writer):
         self.final_path = self.root / f"lmprobe-{digest}"
         self.tmp_path = self.root / f".tmp-lmprobe-{digest}"
         self._closed = False
+        self._lock: WriterLock | None = None
         self.root.mkdir(parents=True, exist_ok=True)
         if self.final_path.exists():
             self.resume_from = spec.n_samples
             self._closed = True
             return
+        self._lock = WriterLock(self.tmp_path)
         remove_tree(self.tmp_path)
         self.tmp_path.mkdir(parents=True)
         self.resume_from = 0
@@ -294,7 +296,10 @@ class LmprobeWriter(Writer):
 
         pq.write_table(table, path)
         self._closed = True
-        return publish_dir(self.tmp_path, self.final_path)
+        try:
+            return publish_dir(self.tmp_path, self.final_path)
+        finally:
+            self._release(remove=True)
 
     def _descriptors(self) -> dict[str, Any]:
         """The `lmprobe:tensors` value: the hidden_layers descriptor and, when stored, logits_topk."""
@@ -336,6 +341,11 @@ class LmprobeWriter(Writer):
     def abort(self) -> None:
         """Stop without publishing (the temporary directory is removed by the next writer)."""
         self._closed = True
+        self._release(remove=False)
+
+    def _release(self, *, remove: bool) -> None:
+        if self._lock is not None:
+            self._lock.release(remove=remove)
 
 
 def create_writer(out_root: Path, spec: StoreSpec) -> LmprobeWriter:

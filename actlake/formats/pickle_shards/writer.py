@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import os
 import shutil
@@ -15,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ...atomic import publish_dir, write_json_atomic
+from ...atomic import WriterLock, publish_dir, write_json_atomic
 from ...batch import Batch
 from ...errors import ConfigError, FormatError
 from ...spec import StoreSpec
@@ -80,38 +79,19 @@ class PickleWriter(Writer):
         self._seen: set[int] = set()
         self._has_labels = False
         self._has_texts = False
-        self._lock_fd: int | None = None
+        self._lock: WriterLock | None = None
         self.parent.mkdir(parents=True, exist_ok=True)
         if self.final_path.exists():
             self._check_published()
             self.resume_from = spec.n_samples
             self._closed = True
             return
-        self._lock()
+        self._lock = WriterLock(self.tmp_path)
         self._open_tmp()
 
-    @property
-    def _lock_path(self) -> Path:
-        return self.parent / f".tmp-{self.final_path.name}.lock"
-
-    def _lock(self) -> None:
-        """Hold an exclusive lock beside the temporary directory: two writers of one store would corrupt it."""
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise FormatError("another process is writing this store right now", self.tmp_path) from None
-        self._lock_fd = fd
-
-    def _unlock(self, *, remove: bool) -> None:
-        """Release the lock (closing the descriptor releases the flock); `remove` deletes the lock file too."""
-        if self._lock_fd is None:
-            return
-        if remove:
-            self._lock_path.unlink(missing_ok=True)
-        os.close(self._lock_fd)
-        self._lock_fd = None
+    def _release(self, *, remove: bool) -> None:
+        if self._lock is not None:
+            self._lock.release(remove=remove)
 
     def _check_published(self) -> None:
         """Refuse a published store at our path that another spec wrote (same job hash, other content)."""
@@ -266,7 +246,7 @@ class PickleWriter(Writer):
         try:
             return publish_dir(self.tmp_path, self.final_path)
         finally:
-            self._unlock(remove=True)
+            self._release(remove=True)
 
     def _metadata(self, duration: float) -> dict[str, Any]:
         """The full metadata.json: the spec's fields plus actlake's per-sample index under `actlake`."""
@@ -298,7 +278,7 @@ class PickleWriter(Writer):
     def abort(self) -> None:
         self._pending = _Pending()
         self._closed = True
-        self._unlock(remove=False)
+        self._release(remove=False)
 
 
 def remove_tmp(tmp: Path) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ...atomic import publish_dir, remove_tree, write_bytes_atomic, write_json_atomic
+from ...atomic import WriterLock, publish_dir, remove_tree, write_bytes_atomic, write_json_atomic
 from ...batch import Batch
 from ...errors import ConfigError, FormatError
 from ...spec import StoreSpec
@@ -38,34 +38,17 @@ class SaevWriter(Writer):
         self._closed = False
         self._counts = metadata.shard_counts()
         self.root.mkdir(parents=True, exist_ok=True)
-        self._lock_fd: int | None = None
+        self._lock: WriterLock | None = None
         if self.final_path.exists():
             self.resume_from = metadata.n_examples
             self._closed = True  # identical config already published: nothing to do
             return
-        self._lock()
+        self._lock = WriterLock(self.tmp_path)
         self._open_tmp()
 
-    def _lock(self) -> None:
-        """Hold an exclusive lock beside the temporary directory: two writers of one store would corrupt it."""
-        import fcntl
-
-        path = self.root / f".tmp-{self.metadata.hash}.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise FormatError("another process is writing this store right now", self.tmp_path) from None
-        self._lock_fd = fd
-
-    def _unlock(self, *, remove: bool) -> None:
-        if self._lock_fd is None:
-            return
-        if remove:
-            (self.root / f".tmp-{self.metadata.hash}.lock").unlink(missing_ok=True)
-        os.close(self._lock_fd)  # closing releases the flock
-        self._lock_fd = None
+    def _release(self, *, remove: bool) -> None:
+        if self._lock is not None:
+            self._lock.release(remove=remove)
 
     @property
     def already_published(self) -> bool:
@@ -252,14 +235,14 @@ class SaevWriter(Writer):
         try:
             return publish_dir(tmp, self.final_path)
         finally:
-            self._unlock(remove=True)
+            self._release(remove=True)
 
     def abort(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
         self._closed = True
-        self._unlock(remove=False)
+        self._release(remove=False)
 
 
 def create_writer(out_root: Path, spec: StoreSpec) -> SaevWriter:

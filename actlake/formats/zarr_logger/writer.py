@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ...atomic import fsync_dir, publish_dir, remove_tree, write_json_atomic
+from ...atomic import WriterLock, fsync_dir, publish_dir, remove_tree, write_json_atomic
 from ...batch import Batch
 from ...errors import ConfigError, FormatError, MetadataError
 from ...spec import StoreSpec
@@ -70,11 +70,13 @@ class ZarrWriter(Writer):
         self.tmp_path.parent.mkdir(parents=True, exist_ok=True)
         self._closed = False
         self._has_response = False
+        self._lock: WriterLock | None = None
         if self.final_path.exists():
             self._check_published()
             self.resume_from = spec.n_samples
             self._closed = True
             return
+        self._lock = WriterLock(self.tmp_path)
         self._open_tmp()
 
     # ---- setup ----
@@ -315,7 +317,10 @@ class ZarrWriter(Writer):
             remove_tree(self.store_tmp / PARTS_DIR)
             self._finished = True
         self._closed = True
-        published = publish_dir(self.tmp_path, self.final_path)
+        try:
+            published = publish_dir(self.tmp_path, self.final_path)
+        finally:
+            self._release(remove=True)
         if self.spec.num_machines > 1:
             write_manifest(self.run_dir, self.spec.num_machines, missing_ok=True)
         return published
@@ -323,6 +328,11 @@ class ZarrWriter(Writer):
     def abort(self) -> None:
         self._arrays = {}
         self._closed = True
+        self._release(remove=False)
+
+    def _release(self, *, remove: bool) -> None:
+        if self._lock is not None:
+            self._lock.release(remove=remove)
 
 
 def _actlake_version() -> str:
