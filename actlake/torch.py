@@ -6,7 +6,7 @@ import os
 import queue
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -100,6 +100,13 @@ class SequenceDataset(Dataset):
         return {"acts": torch.from_numpy(acts), "length": int(x.shape[0]), "sample": sample, "layer": self.layers[j]}
 
 
+class Plan(NamedTuple):
+    """One batch to gather: global token positions and their rows, sorted by (segment, row)."""
+
+    positions: np.ndarray
+    rows: np.ndarray
+
+
 class ShuffledTokenLoader:
     """Shuffled batches of token vectors of one layer, for SAE training.
 
@@ -133,10 +140,14 @@ class ShuffledTokenLoader:
         self.epoch = 0
         self.d_model = reader.d_model
         self._segments: list[TokenSegment] = reader.token_segments(layer)
-        # per sample, not per token: rows are computed from token positions batch by batch
-        self._token_starts = [np.cumsum(seg.lengths.astype(np.int64)) - seg.lengths for seg in self._segments]
+        # per-sample tables (not per-token): a window's token positions are mapped to rows at once
         sizes = np.array([seg.n_tokens for seg in self._segments], dtype=np.int64)
         self._seg_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        lengths = [seg.lengths.astype(np.int64) for seg in self._segments]
+        self._sample_starts = np.concatenate(
+            [self._seg_starts[k] + np.cumsum(n) - n for k, n in enumerate(lengths)] or [np.zeros(0, np.int64)])
+        self._sample_rows = np.concatenate([seg.base_rows.astype(np.int64) for seg in self._segments]
+                                           or [np.zeros(0, np.int64)])
         self.n_tokens = int(sizes.sum())
 
     def __len__(self) -> int:
@@ -161,23 +172,35 @@ class ShuffledTokenLoader:
         order = rng.permutation(len(start))
         return start[order], stop[order]
 
-    def plans(self, epoch: int | None = None) -> Iterator[np.ndarray]:
-        """The batches of one epoch as sorted arrays of global token positions (indices only)."""
+    def plans(self, epoch: int | None = None) -> Iterator[Plan]:
+        """The batches of one epoch as row plans (indices only; sorted by segment and row)."""
         rng = np.random.default_rng([self.seed, self.epoch if epoch is None else epoch])
         start, stop = self._blocks(rng)
-        carry = np.zeros(0, np.int64)
+        carry_pos, carry_rows = np.zeros(0, np.int64), np.zeros(0, np.int64)
         for w in range(0, len(start), self.window_blocks):
             wa, wb = start[w : w + self.window_blocks], stop[w : w + self.window_blocks]
             sizes = wb - wa
             offsets = np.cumsum(sizes) - sizes
             pos = np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(offsets - wa, sizes)
-            pos = np.concatenate([carry, pos[rng.permutation(len(pos))]])
+            pos = pos[rng.permutation(len(pos))]
+            pos, rows = np.concatenate([carry_pos, pos]), np.concatenate([carry_rows, self._rows_of(pos)])
             n_full = len(pos) // self.batch_size
             for b in range(n_full):
-                yield np.sort(pos[b * self.batch_size : (b + 1) * self.batch_size])
-            carry = pos[n_full * self.batch_size :]
-        if len(carry) and not self.drop_last:
-            yield np.sort(carry)
+                yield self._plan(pos[b * self.batch_size : (b + 1) * self.batch_size],
+                                 rows[b * self.batch_size : (b + 1) * self.batch_size])
+            carry_pos, carry_rows = pos[n_full * self.batch_size :], rows[n_full * self.batch_size :]
+        if len(carry_pos) and not self.drop_last:
+            yield self._plan(carry_pos, carry_rows)
+
+    def _rows_of(self, positions: np.ndarray) -> np.ndarray:
+        """Row (within its segment's rows_2d) of each global token position."""
+        sample = np.searchsorted(self._sample_starts, positions, side="right") - 1
+        return self._sample_rows[sample] + (positions - self._sample_starts[sample])
+
+    @staticmethod
+    def _plan(positions: np.ndarray, rows: np.ndarray) -> Plan:
+        order = np.argsort(positions, kind="stable")  # by segment, then row: near-sequential reads
+        return Plan(positions[order], rows[order])
 
     def _segment_slices(self, positions: np.ndarray) -> Iterator[tuple[int, int, int]]:
         """(segment, a, b): positions[a:b] lie in that segment (positions sorted)."""
@@ -186,15 +209,11 @@ class ShuffledTokenLoader:
             if cuts[k + 1] > cuts[k]:
                 yield k, int(cuts[k]), int(cuts[k + 1])
 
-    def gather(self, positions: np.ndarray) -> np.ndarray:
-        """The (B, D) float32 rows at sorted global positions, one vectorised take per segment."""
-        out = np.empty((len(positions), self.d_model), dtype=np.float32)
-        for k, a, b in self._segment_slices(positions):
-            seg, starts = self._segments[k], self._token_starts[k]
-            q = positions[a:b] - self._seg_starts[k]  # token position within the segment
-            sample = np.searchsorted(starts, q, side="right") - 1
-            rows = seg.base_rows[sample] + (q - starts[sample])
-            np.take(seg.rows_2d, rows, axis=0, out=out[a:b])
+    def gather(self, plan: Plan) -> np.ndarray:
+        """The (B, D) float32 rows of a plan, one vectorised take per segment."""
+        out = np.empty((len(plan.rows), self.d_model), dtype=np.float32)
+        for k, a, b in self._segment_slices(plan.positions):
+            np.take(self._segments[k].rows_2d, plan.rows[a:b], axis=0, out=out[a:b])
         return out
 
     def _index(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -204,7 +223,7 @@ class ShuffledTokenLoader:
             samples[a:b], tokens[a:b] = self._segments[k].locate(positions[a:b] - self._seg_starts[k])
         return samples, tokens
 
-    def _finish(self, plan: np.ndarray, rows: np.ndarray) -> Any:
+    def _finish(self, plan: Plan, rows: np.ndarray) -> Any:
         x = torch.from_numpy(rows)
         if self.device is not None and self.device.type == "cuda":
             x = x.pin_memory().to(self.device, non_blocking=True)
@@ -212,7 +231,7 @@ class ShuffledTokenLoader:
             x = x.to(self.device)
         if not self.return_index:
             return x
-        samples, tokens = self._index(plan)
+        samples, tokens = self._index(plan.positions)
         return x, torch.from_numpy(samples), torch.from_numpy(tokens)
 
     def __iter__(self) -> Iterator[Any]:
@@ -220,7 +239,7 @@ class ShuffledTokenLoader:
         self.epoch += 1
         plans = self.plans(epoch)
         with ThreadPoolExecutor(max_workers=self.n_threads, thread_name_prefix="actlake-read") as pool:
-            pending: "queue.SimpleQueue[tuple[np.ndarray, Future[np.ndarray]]]" = queue.SimpleQueue()
+            pending: "queue.SimpleQueue[tuple[Plan, Future[np.ndarray]]]" = queue.SimpleQueue()
             in_flight = 0
             for plan in plans:
                 pending.put((plan, pool.submit(self.gather, plan)))

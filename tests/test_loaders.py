@@ -89,7 +89,7 @@ def test_plans_partition_the_tokens(batch_size: int, block: int, window: int, dr
 
     loader = ShuffledTokenLoader(FakeReader(), 0, batch_size=batch_size, block_tokens=block, window_blocks=window,
                                  drop_last=drop_last, seed=seed)
-    got = [int(p) for plan in loader.plans() for p in plan]
+    got = [int(p) for plan in loader.plans() for p in plan.positions]
     assert all(0 <= p < 2 * int(lens.sum()) for p in got)
     total = 2 * int(lens.sum())
     assert len(got) == len(set(got))
