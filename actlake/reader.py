@@ -207,8 +207,20 @@ class Reader(ABC):
             "provenance": self.provenance,
         }
 
+    #: attributes holding per-process dicts of handles (memmaps): emptied by close() and when pickled,
+    #: so each DataLoader worker opens its own
+    _process_local: tuple[str, ...] = ()
+
     def close(self) -> None:
         """Release file handles (memmaps are dropped)."""
+        for name in self._process_local:
+            getattr(self, name).clear()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for name in self._process_local:
+            state[name] = {}
+        return state
 
     def __enter__(self) -> "Reader":
         return self

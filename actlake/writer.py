@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 
 from .batch import Batch
+from .errors import ConfigError, FormatError
 
 
 class Writer(ABC):
@@ -25,6 +26,26 @@ class Writer(ABC):
     @abstractmethod
     def close(self) -> Path:
         """Finish, publish under the final name, and return the published path."""
+
+    def accepts(self, batch: Batch, *, n_layers: int, d_model: int, max_tokens: int | None, written: int,
+                n_samples: int, count_name: str = "n_samples") -> bool:
+        """Check a batch against the store's shape; False if the store is already published (write nothing).
+
+        Needs the writer's `_closed`, `final_path` and `tmp_path`. `max_tokens=None` accepts any
+        token count (a format that truncates).
+        """
+        if self._closed:  # type: ignore[attr-defined]
+            if self.final_path.exists():  # type: ignore[attr-defined]
+                return False
+            raise FormatError("writer is closed", self.tmp_path)  # type: ignore[attr-defined]
+        b, layers, t, d = batch.acts_bltd.shape
+        if layers != n_layers or d != d_model or (max_tokens is not None and t > max_tokens):
+            raise ConfigError(f"batch shape {batch.acts_bltd.shape} does not fit "
+                              f"[B, {n_layers}, {'T' if max_tokens is None else f'<={max_tokens}'}, {d_model}]",
+                              self.tmp_path)  # type: ignore[attr-defined]
+        if written + b > n_samples:
+            raise ConfigError(f"more samples than {count_name}={n_samples}", self.tmp_path)  # type: ignore[attr-defined]
+        return True
 
     def abort(self) -> None:
         """Stop without publishing; what is durable stays for a later resume."""

@@ -137,3 +137,17 @@ def test_shuffled_loader_with_empty_samples(tmp_path: Path, rng: np.random.Gener
         assert np.array_equal(x.numpy(), acts[samples.numpy(), 0, tokens.numpy()])
         seen += list(zip(samples.tolist(), tokens.tolist()))
     assert sorted(seen) == [(s, t) for s in range(9) for t in range(lengths[s])]
+
+
+def test_pickled_reader_maps_its_own_files(text_store: tuple[Path, np.ndarray, np.ndarray]) -> None:
+    import pickle
+
+    out, acts, lengths = text_store
+    reader = actlake.open(out)
+    reader.get(0, 1)
+    assert reader._maps  # a memmap is open in this process
+    clone = pickle.loads(pickle.dumps(reader))
+    assert clone._maps == {}  # a worker process maps the files itself
+    assert np.array_equal(clone.get(3, 4), acts[3, 1, : lengths[3]])
+    reader.close()
+    assert reader._maps == {}

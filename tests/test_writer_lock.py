@@ -29,3 +29,18 @@ def test_second_writer_is_refused_until_the_first_lets_go(tmp_path: Path, fmt: s
     out = second.close()
     assert actlake.verify(out) == []
     assert not list(tmp_path.glob("**/*.lock"))
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMAT_MODULES))
+def test_writing_to_an_already_published_store_is_a_no_op(tmp_path: Path, fmt: str) -> None:
+    dtype = "float16" if fmt == "zarr" else "float32"
+    spec = StoreSpec(layers=(0,), d_model=2, max_tokens=2, n_samples=1, model_name="m", family="text", dtype=dtype,
+                     dataset="/tmp/data")
+    batch = Batch(np.ones((1, 1, 2, 2), np.float32), np.array([2]), np.array([0]), texts=["a"])
+    first = create_writer(fmt, tmp_path, spec)
+    first.write_batch(batch)
+    out = first.close()
+    again = create_writer(fmt, tmp_path, spec)
+    assert again.resume_from == 1
+    again.write_batch(batch)  # ignored: the store is published and immutable
+    assert again.close() == out

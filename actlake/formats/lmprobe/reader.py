@@ -59,6 +59,8 @@ def runs(ids: np.ndarray, offs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 class LmprobeReader(Reader):
     """Reader of an lmprobe 2.0 dataset; prompts are addressed by row, tensors memory-mapped."""
 
+    _process_local = ("_maps",)
+
     format = FORMAT
 
     def __init__(self, path: str | Path) -> None:
@@ -385,13 +387,6 @@ class LmprobeReader(Reader):
                    logits_topk=None if self.logits_desc is None else self.logits_desc.k)
         return out
 
-    def close(self) -> None:
-        self._maps.clear()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_maps"] = {}  # each process maps its own files
-        return state
 
 
 def detect(path: Path) -> bool:

@@ -70,7 +70,7 @@ class LmprobeWriter(Writer):
         self._lock: WriterLock | None = None
         self.root.mkdir(parents=True, exist_ok=True)
         if self.final_path.exists():
-            self.resume_from = spec.n_samples
+            self.resume_from = self._next = spec.n_samples
             self._closed = True
             return
         self._lock = WriterLock(self.tmp_path)
@@ -117,19 +117,11 @@ class LmprobeWriter(Writer):
     # ---- writing ----
     def write_batch(self, batch: Batch) -> None:
         """Write one batch's pooled/last-token rows, sequence rows and logits; record its index rows."""
-        if self._closed:
-            if self.final_path.exists():
-                return
-            raise FormatError("writer is closed", self.tmp_path)
         spec = self.spec
-        b, n_layers, t, d = batch.acts_bltd.shape
-        if n_layers != len(spec.layers) or d != spec.d_model or t > spec.max_tokens:
-            raise ConfigError(
-                f"batch shape {batch.acts_bltd.shape} does not fit [B, {len(spec.layers)}, <={spec.max_tokens}, {spec.d_model}]",
-                self.tmp_path,
-            )
-        if self._next + b > spec.n_samples:
-            raise ConfigError(f"more samples than n_samples={spec.n_samples}", self.tmp_path)
+        if not self.accepts(batch, n_layers=len(spec.layers), d_model=spec.d_model, max_tokens=spec.max_tokens,
+                            written=self._next, n_samples=spec.n_samples):
+            return
+        b = batch.size
         if b == 0:
             return
         for key in batch.extra:

@@ -147,17 +147,11 @@ class PickleWriter(Writer):
 
     # ---- writing ----
     def write_batch(self, batch: Batch) -> None:
-        if self._closed:
-            if self.final_path.exists():
-                return
-            raise FormatError("writer is closed", self.tmp_path)
         spec = self.spec
-        b, n_layers, t, d = batch.acts_bltd.shape
-        if n_layers != len(spec.layers) or d != spec.d_model or t > spec.max_tokens:
-            raise ConfigError(f"batch shape {batch.acts_bltd.shape} does not fit [B, {len(spec.layers)}, "
-                              f"<={spec.max_tokens}, {spec.d_model}]", self.tmp_path)
-        if self.written + b > spec.n_samples:
-            raise ConfigError(f"more samples than n_samples={spec.n_samples}", self.tmp_path)
+        if not self.accepts(batch, n_layers=len(spec.layers), d_model=spec.d_model, max_tokens=spec.max_tokens,
+                            written=self.written, n_samples=spec.n_samples):
+            return
+        b, n_layers, _, d = batch.acts_bltd.shape
         self._batch_size = max(self._batch_size or 0, b)
         ids = np.asarray(batch.sample_ids, dtype=np.int64)
         lengths = np.asarray(batch.lengths, dtype=np.int64)

@@ -46,6 +46,7 @@ class SaevReader(Reader):
     """Memmap reader of a saev 2.1 directory (spec section 4 coordinate transform)."""
 
     format = FORMAT
+    _process_local = ("_maps",)
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -228,13 +229,6 @@ class SaevReader(Reader):
             segments.append(TokenSegment(rows, base, lengths[start : start + count], start))
         return segments
 
-    def close(self) -> None:
-        self._maps.clear()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_maps"] = {}  # each process maps its own files
-        return state
 
 
 def detect(path: Path) -> bool:

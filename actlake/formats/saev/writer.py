@@ -40,7 +40,7 @@ class SaevWriter(Writer):
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock: WriterLock | None = None
         if self.final_path.exists():
-            self.resume_from = metadata.n_examples
+            self.resume_from = self._next = metadata.n_examples
             self._closed = True  # identical config already published: nothing to do
             return
         self._lock = WriterLock(self.tmp_path)
@@ -132,18 +132,11 @@ class SaevWriter(Writer):
         self._write_progress(self._shard_idx)  # its directory fsync also makes the rename above durable
 
     def write_batch(self, batch: Batch) -> None:
-        if self._closed:
-            if self.final_path.exists():
-                return
-            raise FormatError("writer is closed", self.tmp_path)
         md = self.metadata
-        b, n_layers, t, d = batch.acts_bltd.shape
-        if n_layers != len(md.layers) or d != md.d_model or t > md.tokens_per_ex:
-            raise ConfigError(
-                f"batch shape {batch.acts_bltd.shape} does not fit [B, {len(md.layers)}, <={md.tokens_per_ex}, {md.d_model}]"
-            )
-        if self._next + b > md.n_examples:
-            raise ConfigError(f"more examples than n_examples={md.n_examples}")
+        if not self.accepts(batch, n_layers=len(md.layers), d_model=md.d_model, max_tokens=md.tokens_per_ex,
+                            written=self._next, n_samples=md.n_examples, count_name="n_examples"):
+            return
+        b = batch.size
         if self._token_labels and batch.token_labels is None:
             raise ConfigError("this writer stores labels.bin but the batch has no token_labels")
         acts = np.ascontiguousarray(batch.acts_bltd, dtype=np.float32)

@@ -73,7 +73,7 @@ class ZarrWriter(Writer):
         self._lock: WriterLock | None = None
         if self.final_path.exists():
             self._check_published()
-            self.resume_from = spec.n_samples
+            self.resume_from = self._next = spec.n_samples
             self._closed = True
             return
         self._lock = WriterLock(self.tmp_path)
@@ -170,16 +170,11 @@ class ZarrWriter(Writer):
         return out
 
     def write_batch(self, batch: Batch) -> None:
-        if self._closed:
-            if self.final_path.exists():
-                return
-            raise FormatError("writer is closed", self.tmp_path)
         lay = self.layout
-        b, n_layers, _, d = batch.acts_bltd.shape
-        if n_layers != len(lay.layers) or d != lay.hidden_size:
-            raise ConfigError(f"batch shape {batch.acts_bltd.shape} does not fit [B, {len(lay.layers)}, T, {lay.hidden_size}]")
-        if self._next + b > lay.n_samples:
-            raise ConfigError(f"more samples than n_samples={lay.n_samples}", self.tmp_path)
+        if not self.accepts(batch, n_layers=len(lay.layers), d_model=lay.hidden_size, max_tokens=None,
+                            written=self._next, n_samples=lay.n_samples):
+            return
+        b = batch.size
         lengths = np.asarray(batch.lengths, dtype=np.int64)
         if batch.response_bltd is not None:
             r_lengths = np.asarray(batch.response_lengths, dtype=np.int64)
