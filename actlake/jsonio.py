@@ -18,3 +18,11 @@ def read_json(path: Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
         raise MetadataError(f"not valid UTF-8 JSON: {exc}", path) from exc
+
+
+def peek_json(path: Path) -> Any | None:
+    """Parsed JSON of `path` for format detection: None when it is absent or unreadable (never raises)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, OSError):
+        return None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ import numpy as np
 
 from ...batch import Batch
 from ...errors import FormatError, MetadataError, MissingFileError, TruncatedFileError
+from ...jsonio import peek_json
 from ...reader import Reader
 from .layout import (
     EXTENSION_KEY,
@@ -294,13 +294,9 @@ class PickleReader(Reader):
 
 def detect(path: Path) -> bool:
     """A directory with a metadata.json carrying `version` and `shards` (or shard files beside a broken one)."""
-    f = path / "metadata.json"
-    if not (path.is_dir() and f.is_file()):
+    if not (path.is_dir() and (path / "metadata.json").is_file()):
         return False
-    try:
-        obj = json.loads(f.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
-        obj = None
+    obj = peek_json(path / "metadata.json")
     if isinstance(obj, dict) and "version" in obj and "shards" in obj:
         return True
     return any(SHARD_FILE_RE.match(p.name) for p in path.iterdir())  # broken metadata: let the reader name it

@@ -10,7 +10,7 @@ import numpy as np
 
 from ...batch import Batch
 from ...errors import FormatError, MetadataError, MissingFileError, TruncatedFileError
-from ...jsonio import read_json
+from ...jsonio import peek_json, read_json
 from ...reader import Reader, TokenSegment
 from .metadata import FORMAT, SaevMetadata, shard_name
 
@@ -230,15 +230,12 @@ class SaevReader(Reader):
         return segments
 
 
-
 def detect(path: Path) -> bool:
     """A directory with metadata.json that carries saev fields."""
-    f = path / "metadata.json"
-    if not (path.is_dir() and f.is_file()):
+    if not (path.is_dir() and (path / "metadata.json").is_file()):
         return False
-    try:
-        obj = json.loads(f.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+    obj = peek_json(path / "metadata.json")
+    if obj is None:
         return (path / "shards.json").is_file()  # looks like saev; let the reader name the problem
     return isinstance(obj, dict) and ("d_model" in obj or "protocol" in obj) and "version" not in obj
 
