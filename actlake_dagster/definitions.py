@@ -1,21 +1,45 @@
-"""The Definitions object of the actlake code location."""
+"""The Definitions of the actlake code location, built from GraphSettings (the ACTLAKE_* environment)."""
 
 from __future__ import annotations
 
 import dagster as dg
 
-from .assets import activation_shards, inference_dump, model_checkpoint, sae_checkpoint
-from .automation import automation_sensor, extraction_job, new_checkpoint_sensor, nightly_extraction, sae_job
-from .resources import DeviceResource, ModelSourceResource, StorageRootsResource
+from .assets import build_assets
+from .assets.keys import ACTIVATION_SHARDS, INFERENCE_DUMP, MACHINE_SLICES, SAE_CHECKPOINT, SAE_RUN
+from .automation import build_automation_sensor, build_checkpoint_sensor
+from .partitions import GraphPartitions
+from .resources import CheckpointsResource, DeviceResource, SAETrainingResource, StorageRootsResource
+from .settings import GraphSettings
 
-defs = dg.Definitions(
-    assets=[model_checkpoint, activation_shards, sae_checkpoint, inference_dump],
-    jobs=[extraction_job, sae_job],
-    sensors=[new_checkpoint_sensor, automation_sensor],
-    schedules=[nightly_extraction],
-    resources={
-        "device": DeviceResource(device=dg.EnvVar("ACTLAKE_DEVICE").get_value("auto") or "auto"),
-        "model_source": ModelSourceResource(model=dg.EnvVar("ACTLAKE_MODEL").get_value("minilm") or "minilm"),
+
+def build_resources(settings: GraphSettings) -> dict[str, dg.ConfigurableResource]:
+    """The resources of a graph (storage roots from the library's environment variables)."""
+    return {
+        "checkpoints": CheckpointsResource(model=settings.model, root=settings.checkpoints_root),
+        "device": DeviceResource(device=settings.device, gpus=settings.gpus),
         "storage": StorageRootsResource(),
-    },
-)
+        "sae": SAETrainingResource(),
+    }
+
+
+def build_defs(settings: GraphSettings, resources: dict[str, object] | None = None) -> dg.Definitions:
+    """The whole code location for one set of settings (tests pass their own settings and resources)."""
+    parts = GraphPartitions.from_settings(settings)
+    assets = build_assets(settings, parts)
+    jobs = [
+        dg.define_asset_job("extract_slices", selection=[MACHINE_SLICES],
+                            description="Extract machine slices (one run per checkpoint x machine partition)."),
+        dg.define_asset_job("merge_shards", selection=[ACTIVATION_SHARDS]),
+        dg.define_asset_job("train_saes", selection=[SAE_RUN, SAE_CHECKPOINT, INFERENCE_DUMP]),
+    ]
+    if settings.formats:
+        jobs.append(dg.define_asset_job("convert_formats", selection=[f"{fmt}_shards" for fmt in settings.formats]))
+    return dg.Definitions(
+        assets=assets,
+        jobs=jobs,
+        sensors=[build_checkpoint_sensor(settings.automation), build_automation_sensor(settings.automation)],
+        resources=resources if resources is not None else build_resources(settings),
+    )
+
+
+defs = build_defs(GraphSettings.from_env())

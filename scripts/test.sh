@@ -2,7 +2,7 @@
 # Set up .venv with the test extras and run the whole suite (2 pytest workers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh test,interop,dagster
+bash scripts/setup.sh test,interop
 set +e
 .venv/bin/python -m pytest -q -n "${ACTLAKE_TEST_WORKERS:-2}" "$@"
 code=$?

@@ -1,82 +1,188 @@
-"""The Dagster code location: definitions load, assets materialize in-process, lineage, sensor."""
+"""The Dagster code location: definitions, automation conditions, the checkpoint sensor, the GPU resource,
+and the whole graph materialized on a real sqlite instance with exact lineage."""
 
 from __future__ import annotations
 
+import json
+import warnings
 from pathlib import Path
 
 import dagster as dg
+import numpy as np
 import pytest
 
-from actlake_dagster.assets import activation_shards, inference_dump, model_checkpoint, sae_checkpoint
-from actlake_dagster.automation import new_checkpoint_sensor
-from actlake_dagster.definitions import defs
-from actlake_dagster.lineage import lineage_of_run
-from actlake_dagster.resources import DeviceResource, ModelSourceResource, StorageRootsResource
+from actlake_dagster.assets.keys import GPU_OP_TAGS, GPU_POOL
+from actlake_dagster.automation import build_checkpoint_sensor
+from actlake_dagster.definitions import build_defs
+from actlake_dagster.partitions import checkpoint_partitions, layer_key, slice_key, split_key
+from actlake_dagster.records import DATA_VERSION_TAG
+from actlake_dagster.resources import CheckpointsResource, DeviceResource, SAETrainingResource, StorageRootsResource
+from actlake_dagster.settings import GraphSettings
 
-pytestmark = pytest.mark.filterwarnings("ignore::dagster.BetaWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::dagster.BetaWarning"),
+              pytest.mark.filterwarnings("ignore::dagster.PreviewWarning")]
+warnings.filterwarnings("ignore", message=".*is currently in beta.*")
+
+SMALL = GraphSettings(model="tiny-random:bert", data="builtin:stdlib-docs", limit=24, max_seq_len=16, batch_size=8,
+                      num_machines=2, layers=(0, 1), val_fraction=0.25, device="cpu")
+DOWNSTREAM = ("machine_slices", "activation_shards", "sae_run", "sae_checkpoint", "inference_dump")
 
 
-def test_definitions_load() -> None:
+def test_definitions_load_and_read_left_to_right() -> None:
+    defs = build_defs(SMALL)
     dg.Definitions.validate_loadable(defs)
-    keys = {a.key.to_user_string() for a in defs.resolve_all_asset_specs()}
-    assert keys == {"model_checkpoint", "activation_shards", "sae_checkpoint", "inference_dump"}
-    assert defs.resolve_job_def("extract_activations").partitions_def is not None
+    specs = {s.key.to_user_string(): s for s in defs.resolve_all_asset_specs()}
+    assert set(specs) == {"model_checkpoint", *DOWNSTREAM}
+    assert specs["machine_slices"].group_name == "extraction" and specs["sae_run"].group_name == "sae"
+    graph = defs.resolve_asset_graph()
+    parents = {k.to_user_string(): {p.to_user_string() for p in graph.get(k).parent_keys} for k in graph.get_all_asset_keys()}
+    assert parents["machine_slices"] == {"model_checkpoint"}
+    assert parents["activation_shards"] == {"machine_slices"}
+    assert parents["sae_run"] == {"activation_shards"}
+    assert parents["sae_checkpoint"] == {"sae_run"} and parents["inference_dump"] == {"sae_checkpoint"}
+    for key in ("machine_slices", "sae_checkpoint", "inference_dump"):
+        node = graph.get(dg.AssetKey(key))
+        assert node.pools == {GPU_POOL}
+        assert json.loads(defs.get_assets_def(key).op.tags["dagster-k8s/config"]) == GPU_OP_TAGS["dagster-k8s/config"]
+    dims = graph.get(dg.AssetKey("machine_slices")).partitions_def.partitions_defs  # type: ignore[union-attr]
+    assert [d.name for d in dims] == ["checkpoint", "machine"]
+    assert build_defs(GraphSettings(num_machines=3, layers=(2,))).resolve_job_def(
+        "extract_slices").partitions_def.get_partition_keys(dynamic_partitions_store=_store(["c"])) == [  # type: ignore[union-attr]
+        "c|0", "c|1", "c|2"]
 
 
-@pytest.fixture
-def resources(tmp_path: Path) -> dict[str, object]:
-    return {
-        "device": DeviceResource(device="cpu"),
-        "model_source": ModelSourceResource(model="tiny-random:bert"),
-        "storage": StorageRootsResource(scratch=str(tmp_path / "scratch"), nfs=str(tmp_path / "nfs")),
-    }
-
-
-def test_pipeline_materializes_with_exact_lineage(tmp_path: Path, resources: dict[str, object]) -> None:
+def _store(keys: list[str]) -> dg.DagsterInstance:
     instance = dg.DagsterInstance.ephemeral()
-    run_config = {"ops": {"activation_shards": {"config": {"limit": 24, "max_seq_len": 16, "batch_size": 8}},
-                          "sae_checkpoint": {"config": {"k": 4, "expansion": 2, "epochs": 2, "batch_size": 64}}}}
-    for machine in ("0", "1"):
-        result = dg.materialize([model_checkpoint, activation_shards], partition_key=machine, resources=resources,
-                                instance=instance, run_config={"ops": {"activation_shards": run_config["ops"]["activation_shards"]}},
-                                selection=[activation_shards])
-        assert result.success
-        checks = result.get_asset_check_evaluations()
-        assert checks and all(c.passed for c in checks)
-    shard_dirs = sorted(p for p in (tmp_path / "scratch" / "shards").iterdir() if not p.name.startswith("."))
-    assert len(shard_dirs) == 2  # one content-hashed directory per machine slice
-
-    result = dg.materialize([activation_shards, sae_checkpoint, inference_dump], partition_key="1", resources=resources,
-                            instance=instance, selection=[sae_checkpoint, inference_dump],
-                            run_config={"ops": {"sae_checkpoint": run_config["ops"]["sae_checkpoint"]}})
-    assert result.success
-    sae_md = result.asset_materializations_for_node("sae_checkpoint")[0].metadata
-    run_id = sae_md["run_id"].value
-    run_path = Path(sae_md["run_path"].value)
-    assert (run_path / "checkpoint" / "sae.pt").is_file()
-    assert (run_path / "links" / "train-shards").resolve() in [d.resolve() for d in shard_dirs]
-
-    lineage = lineage_of_run(instance, run_id)
-    train_dir = (run_path / "links" / "train-shards").resolve()
-    assert lineage["shard_hash"] == train_dir.name
-    assert lineage["val_shard_hash"] == (run_path / "links" / "val-shards").resolve().name
-    assert lineage["model"] == "tiny-random:bert" and lineage["weights_sha256"]
-    assert lineage["train_extraction"]["machine_id"] == 0 and lineage["val_extraction"]["machine_id"] == 1
-    inf_md = result.asset_materializations_for_node("inference_dump")[0].metadata
-    assert inf_md["shard_hash"].value == lineage["val_shard_hash"]
-    assert (Path(inf_md["path"].value) / "patch_acts.npz").is_file()
-    with pytest.raises(KeyError):
-        lineage_of_run(instance, "no-such-run")
+    instance.add_dynamic_partitions(checkpoint_partitions.name or "checkpoints", keys)
+    return instance
 
 
-def test_new_checkpoint_sensor_requests_each_machine_once(resources: dict[str, object]) -> None:
-    with dg.build_sensor_context(resources={"model_source": resources["model_source"]}) as context:
-        requests = new_checkpoint_sensor(context)
-        assert sorted(r.partition_key for r in requests) == ["0", "1"]
-        assert len({r.run_key for r in requests}) == 2
-        cursor = context.cursor
-    with dg.build_sensor_context(cursor=cursor, resources={"model_source": resources["model_source"]}) as context:
-        assert isinstance(new_checkpoint_sensor(context), dg.SkipReason)
-    other = ModelSourceResource(model="tiny-random:gpt2")
-    with dg.build_sensor_context(cursor=cursor, resources={"model_source": other}) as context:
-        assert len(new_checkpoint_sensor(context)) == 2
+def _requested(result: dg.AutomationResult | object) -> dict[str, list[str]]:  # type: ignore[name-defined]
+    out = {}
+    for key in DOWNSTREAM:
+        parts = sorted(result.get_requested_partitions(dg.AssetKey(key)))  # type: ignore[attr-defined]
+        if parts:
+            out[key] = parts
+    return out
+
+
+def test_automation_fires_on_new_or_changed_data_only() -> None:
+    """New checkpoint: one extraction per machine, then one merge per split, one training per layer.
+    Unchanged re-extraction (same data versions) or an unchanged observation: nothing."""
+    defs = build_defs(SMALL)
+    instance = dg.DagsterInstance.ephemeral()
+
+    def observe(ckpt: str, version: str) -> None:
+        instance.report_runless_asset_event(dg.AssetObservation("model_checkpoint", partition=ckpt,
+                                                                tags={DATA_VERSION_TAG: version}))
+
+    def materialize(key: str, pk: str, version: str) -> None:
+        instance.report_runless_asset_event(dg.AssetMaterialization(key, partition=pk, tags={DATA_VERSION_TAG: version}))
+
+    def tick(cursor: object = None) -> tuple[dict[str, list[str]], object]:
+        result = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor)
+        return _requested(result), result.cursor
+
+    instance.add_dynamic_partitions("checkpoints", ["a"])  # present before the first tick: still filled
+    observe("a", "weights-1")
+    req, cursor = tick()
+    assert req == {"machine_slices": ["a|0", "a|1"]}
+    for m in "01":
+        materialize("machine_slices", slice_key("a", m), f"slices-{m}")
+    req, cursor = tick(cursor)
+    assert req == {"activation_shards": ["a|train", "a|val"]}
+    for split in ("train", "val"):
+        materialize("activation_shards", split_key("a", split), f"hash-{split}")
+    req, cursor = tick(cursor)
+    assert req == {"sae_run": ["a|0", "a|1"], "sae_checkpoint": ["a|0", "a|1"], "inference_dump": ["a|0", "a|1"]}
+    for layer in "01":
+        for key in ("sae_run", "sae_checkpoint", "inference_dump"):
+            materialize(key, layer_key("a", layer), f"{key}-{layer}")
+    req, cursor = tick(cursor)
+    assert req == {}
+    for m in "01":  # an unchanged re-extraction: same content hashes
+        materialize("machine_slices", slice_key("a", m), f"slices-{m}")
+    observe("a", "weights-1")
+    for _ in range(2):
+        req, cursor = tick(cursor)
+        assert req == {}
+    materialize("machine_slices", slice_key("a", "1"), "slices-1-changed")  # changed content: only its merges
+    req, cursor = tick(cursor)
+    assert req == {"activation_shards": ["a|train", "a|val"]}
+    instance.add_dynamic_partitions("checkpoints", ["b"])
+    observe("b", "weights-2")
+    req, cursor = tick(cursor)
+    assert req.get("machine_slices") == ["b|0", "b|1"]
+
+
+def _save_checkpoint(root: Path, name: str, seed: int) -> Path:
+    import torch
+
+    from actlake.extract.models import load_model
+
+    loaded = load_model("tiny-random:bert", device="cpu")
+    if seed:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in loaded.model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.01)
+    out = root / name
+    loaded.model.save_pretrained(out)
+    loaded.tokenizer.save_pretrained(out)
+    return out
+
+
+def test_checkpoint_sensor_adds_partitions_and_hashes_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import actlake_dagster.checkpoints as ck
+
+    root = tmp_path / "checkpoints"
+    _save_checkpoint(root, "step-000100", 0)
+    (root / "not-a-checkpoint").mkdir()
+    calls: list[Path] = []
+    real = ck.file_sha256
+    monkeypatch.setattr(ck, "file_sha256", lambda p: calls.append(Path(p)) or real(p))
+    resource = CheckpointsResource(root=str(root), hash_cache=str(tmp_path / "cache.json"))
+    sensor = build_checkpoint_sensor(running=False)
+    instance = dg.DagsterInstance.ephemeral()
+
+    def tick(cursor: str | None) -> tuple[dg.SensorResult, str | None]:
+        with dg.build_sensor_context(instance=instance, cursor=cursor, resources={"checkpoints": resource}) as ctx:
+            result = sensor(ctx)
+            for req in result.dynamic_partitions_requests or []:
+                instance.add_dynamic_partitions(req.partitions_def_name, list(req.partition_keys or []))
+            return result, ctx.cursor
+
+    result, cursor = tick(None)
+    assert [list(r.partition_keys or []) for r in result.dynamic_partitions_requests] == [["step-000100"]]
+    [obs] = result.asset_events
+    from actlake.extract.models import weights_sha256
+
+    assert obs.tags[DATA_VERSION_TAG] == weights_sha256(root / "step-000100")[0]  # what the extraction records
+    hashed = len(calls)
+    assert hashed >= 1
+    result, cursor = tick(cursor)
+    assert not result.dynamic_partitions_requests and not result.asset_events
+    fresh = CheckpointsResource(root=str(root), hash_cache=str(tmp_path / "cache.json"))  # a new process: cache file
+    assert fresh.weights_sha256(fresh.all()[0]) == obs.tags[DATA_VERSION_TAG]
+    assert len(calls) == hashed  # unchanged files are never read again
+    _save_checkpoint(root, "step-000200", 1)
+    result, cursor = tick(cursor)
+    assert [list(r.partition_keys or []) for r in result.dynamic_partitions_requests] == [["step-000200"]]
+    assert [e.partition for e in result.asset_events] == ["step-000200"]
+    assert sorted(instance.get_dynamic_partitions("checkpoints")) == ["step-000100", "step-000200"]
+
+
+def test_device_resource_gives_each_step_its_own_gpu(tmp_path: Path) -> None:
+    a, b, c = (DeviceResource(device="auto", lock_dir=str(tmp_path)) for _ in range(3))
+    assert a._claim_gpu(2) == "cuda:0"
+    assert b._claim_gpu(2) == "cuda:1"
+    a.teardown_after_execution(None)  # type: ignore[arg-type]
+    assert c._claim_gpu(2) == "cuda:0"
+    b.teardown_after_execution(None)  # type: ignore[arg-type]
+    c.teardown_after_execution(None)  # type: ignore[arg-type]
+    with dg.build_init_resource_context() as ctx:
+        cpu = DeviceResource(device="auto")
+        cpu.setup_for_execution(ctx)
+        import torch
+
+        assert cpu.name == ("cpu" if not torch.cuda.is_available() else cpu.name)

@@ -1,46 +1,77 @@
-"""`actlake demo`: every layer of the embedded MiniLM over built-in stdlib docstrings, into saev."""
+"""`actlake demo`: the whole asset graph, through Dagster, on the embedded default (MiniLM over built-in texts)."""
 
 from __future__ import annotations
 
 import argparse
-
-from .extract import add_common_arguments
+import os
+import shlex
+import sys
+from pathlib import Path
 
 NAME = "demo"
-HELP = "extract all layers of the embedded MiniLM over built-in texts (offline) and summarise the result"
-DEMO_DATA = "builtin:stdlib-docs"
-DEMO_MAX_SEQ_LEN = 64
+HELP = ("materialize actlake's whole Dagster asset graph on the embedded default (MiniLM, built-in texts, "
+        "2 machine slices, layers 1,3,5, CPU) into a persistent instance, then print one run's lineage")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default=None, help="output root (default $ACTLAKE_SCRATCH/shards or ./actlake-data/shards)")
-    p.add_argument("--n-texts", type=int, default=256, help="number of built-in texts (default 256)")
-    add_common_arguments(p)
-    p.set_defaults(max_seq_len=DEMO_MAX_SEQ_LEN)
+    p.add_argument("--verbose", action="store_true", help="show Dagster's own event log on the console")
+
+
+def _cli(name: str) -> str:
+    """How to call an entry point of this environment, as the user can type it from here."""
+    exe = Path(sys.executable).parent / name
+    if not exe.exists():
+        return name
+    rel = os.path.relpath(exe)
+    return shlex.quote(rel if not rel.startswith("..") else str(exe))
 
 
 def run(args: argparse.Namespace) -> int:
-    import actlake
+    from ..errors import ConfigError
 
-    from ..extract import MINILM, ExtractConfig, extract
-    from ..runs import shards_root
+    try:
+        import warnings
 
-    cfg = ExtractConfig(model=MINILM, data=DEMO_DATA, out=args.out or shards_root(), layers="all", format="saev",
-                        max_seq_len=args.max_seq_len, batch_size=args.batch_size, device=args.device,
-                        limit=args.n_texts, progress=not args.no_progress)
-    result = extract(cfg)
-    print(f"demo: {result.n_samples} stdlib docstrings x {len(result.spec.layers)} layers of {MINILM} "
-          f"({result.spec.d_model}-d, up to {result.spec.max_tokens} tokens) in {result.seconds:.1f}s")
-    with actlake.open(result.path) as reader:
-        summary = reader.summary()
-    for key, value in summary.items():
-        if key != "provenance":
-            print(f"{key:>20}: {value}")
-    prov = summary.get("provenance", {})
-    for key in ("model_name", "weights_sha256", "dataset_spec", "dataset_fingerprint", "python_version",
-                "torch_version", "transformers_version", "created_at"):
-        if key in prov:
-            print(f"{key:>20}: {prov[key]}")
-    print(f"read it back with: actlake info {result.path}")
-    print(result.path)
+        warnings.filterwarnings("ignore", module="dagster")
+        warnings.filterwarnings("ignore", message=".*is currently in beta.*")
+        from actlake_dagster.definitions import build_defs
+        from actlake_dagster.demo import materialize_graph
+        from actlake_dagster.instance import ensure_home, open_instance
+        from actlake_dagster.lineage import instance_lineage, run_path_of
+        from actlake_dagster.settings import GraphSettings
+    except ImportError as exc:
+        raise ConfigError(f"the demo runs through Dagster, which is not importable here ({exc})") from exc
+    from ..lineage import lineage_from_files
+    from .lineage import render
+
+    settings = GraphSettings.from_env()
+    home = ensure_home(gpus=settings.gpus)
+    instance = open_instance(home)
+    defs = build_defs(settings)
+    print(f"demo: {settings.model} over {settings.data} (first {settings.limit} texts, {settings.max_seq_len} tokens), "
+          f"{settings.num_machines} machine slices, layers {','.join(map(str, settings.layers))}, "
+          f"val fraction {settings.val_fraction}")
+    print(f"      Dagster instance {home}")
+    result = materialize_graph(defs, settings, instance, verbose=args.verbose)
+    wrote = sum(1 for _, _, run_id, by in result.runs if by == run_id)
+    print(f"demo: {len(result.runs)} Dagster runs in {result.seconds:.1f} s; {wrote} wrote new data"
+          + ("" if wrote else " (everything was already published: content hashes unchanged, nothing rewritten)"))
+    layer = settings.layers[-1]
+    ckpt = result.checkpoints[-1]
+    from actlake_dagster.partitions import layer_key
+    from actlake_dagster.records import latest
+
+    from actlake_dagster.assets.keys import SAE_RUN
+
+    run_md = latest(instance, SAE_RUN, layer_key(ckpt, layer))
+    run_id = str(run_md.get("run_id")) if run_md else ""
+    path = run_path_of(instance, run_id)
+    if path:
+        lineage = lineage_from_files(path)
+        lineage["dagster"] = instance_lineage(instance, run_id)
+        print("\nlineage of one run:")
+        print(render(lineage))
+    print(f"\nthe same lineage any time: {_cli('actlake')} lineage {run_id}")
+    print(f"open the UI on this instance: {_cli('actlake')} ui   (http://127.0.0.1:3000; sensors and automation "
+          "start RUNNING there: ACTLAKE_AUTOMATION=off keeps them stopped)")
     return 0

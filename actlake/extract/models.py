@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import ConfigError, ModelNotFoundError
 from ..hashing import file_sha256
@@ -116,12 +116,15 @@ def resolve_model(spec: str) -> ModelSource:
     return ModelSource(spec, "dir", path.resolve())
 
 
-def weights_sha256(model_dir: Path) -> tuple[str, dict[str, str]]:
-    """(combined sha256, {relative file: sha256}) of every weight file in a model directory."""
+def weights_sha256(model_dir: Path, digest: Callable[[Path], str] = file_sha256) -> tuple[str, dict[str, str]]:
+    """(combined sha256, {relative file: sha256}) of every weight file in a model directory.
+
+    `digest` computes one file's sha256 (a caching digest lets a sensor skip unchanged files).
+    """
     files = sorted(p for p in model_dir.rglob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
     if not files:
         raise ModelNotFoundError("model directory holds no weight files (*.safetensors, *.bin, ...)", model_dir)
-    per_file = {p.relative_to(model_dir).as_posix(): file_sha256(p) for p in files}
+    per_file = {p.relative_to(model_dir).as_posix(): digest(p) for p in files}
     combined = hashlib.sha256("".join(f"{k}\0{v}\n" for k, v in per_file.items()).encode()).hexdigest()
     return combined, per_file
 
