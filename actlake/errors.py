@@ -79,3 +79,11 @@ class DatasetError(ActlakeError):
 
 class RunError(ActlakeError):
     """A run directory is incomplete or one of its links is broken."""
+
+
+class MissingSliceError(MissingFileError):
+    """A machine slice of a multi-machine run is not published (yet); `missing` lists the machine ids."""
+
+    def __init__(self, message: str, path: str | Path | None = None, *, missing: tuple[int, ...] = ()) -> None:
+        super().__init__(message, path)
+        self.missing = tuple(missing)

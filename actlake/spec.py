@@ -59,6 +59,15 @@ class StoreSpec:
         if not 0 <= self.machine_id < self.num_machines:
             raise ConfigError(f"machine_id {self.machine_id} not in [0, {self.num_machines})")
 
+    def run_hash(self) -> str:
+        """The identity every machine of one run shares: `content_hash` with machine_id and n_samples left out.
+
+        Names the run directory that holds every machine's slice (`<format>-<first 16 hex>`).
+        """
+        import dataclasses
+
+        return dataclasses.replace(self, machine_id=0, n_samples=0).content_hash()
+
     def content_hash(self) -> str:
         """sha256 of the canonical JSON of every field but `provenance` (build facts are not identity).
 

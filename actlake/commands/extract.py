@@ -39,7 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--response-field", default=None, help="field holding the response (prompt/response datasets)")
     p.add_argument("--label-field", default=None, help="field holding a class label (default: 'label' if present)")
     p.add_argument("--id-field", default=None, help="field holding a sample id (default: 'id' if present)")
-    p.add_argument("--split", default=None, help="split of a load_from_disk DatasetDict (default train)")
+    p.add_argument("--split", default="all", choices=("all", "train", "val"),
+                   help="which samples: all (default), or the train / val side of --val-fraction (held out by a "
+                        "hash of each sample's id; never the same samples, independent of --num-machines)")
+    p.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
+                   help="fraction of samples held out as the val split (0 < F < 1 with --split train|val)")
+    p.add_argument("--dataset-split", default=None, help="named split of a load_from_disk DatasetDict (default train)")
     p.add_argument("--masks", default=None, help="segmentation mask folder mirroring an image folder")
     p.add_argument("--generate-max-new-tokens", type=int, default=None, metavar="N",
                    help="causal LMs: greedily generate N-token responses to the prompts first, then store prompt and "
@@ -51,13 +56,14 @@ def run(args: argparse.Namespace) -> int:
     from ..runs import shards_root
 
     fields = DatasetFields(text=args.text_field, prompt=args.prompt_field, response=args.response_field,
-                           label=args.label_field, id=args.id_field, split=args.split, masks=args.masks)
+                           label=args.label_field, id=args.id_field, split=args.dataset_split, masks=args.masks)
     cfg = ExtractConfig(
         model=args.model, data=args.data, out=args.out or shards_root(), layers=args.layers, format=args.format,
         max_seq_len=args.max_seq_len, batch_size=args.batch_size, dtype=args.dtype, model_dtype=args.model_dtype,
         machine_id=args.machine_id, num_machines=args.num_machines, device=args.device, limit=args.limit,
         options=parse_options(args.option), fields=fields, padding_side=args.padding_side,
         progress=not args.no_progress, generate_max_new_tokens=args.generate_max_new_tokens,
+        split=args.split, val_fraction=args.val_fraction,
     )
     result = extract(cfg)
     if result.n_samples and result.resumed_from >= result.n_samples:
@@ -65,5 +71,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         note = f" (resumed after {result.resumed_from} samples)" if result.resumed_from else ""
         print(f"extracted {result.n_samples} samples x {len(result.spec.layers)} layers in {result.seconds:.1f}s{note}")
+    if result.run_dir != result.path:
+        state = "complete (manifest written)" if result.complete else "waiting for the other machines' slices"
+        print(f"run directory {result.run_dir}: {state}")
     print(result.path)
     return 0

@@ -126,6 +126,19 @@ def tokenize_texts(tokenizer: Any, texts: Sequence[str], max_len: int) -> Tokeni
     return _pack(seqs, [len(s) for s in seqs], truncated)
 
 
+def token_lengths(tokenizer: Any, texts: Sequence[str], max_len: int) -> np.ndarray:
+    """[n] token counts (special tokens included, cut at `max_len`) without keeping the ids: equal to
+    `tokenize_texts(...).lengths`, so every machine of a run computes the same fixed shapes."""
+    _check_max_len(max_len)
+    out = np.empty(len(texts), dtype=np.int64)
+    for s in range(0, len(texts), TOKENIZE_CHUNK):
+        chunk = list(texts[s : s + TOKENIZE_CHUNK])
+        ids = tokenizer(chunk, add_special_tokens=True, truncation=True, max_length=max_len,
+                        return_attention_mask=False)["input_ids"]
+        out[s : s + len(chunk)] = [len(x) for x in ids]
+    return out
+
+
 def tokenize_pairs(tokenizer: Any, prompts: Sequence[str], responses: Sequence[str], max_len: int,
                    response_max: int | None = None) -> Tokenized:
     """Prompt (with special tokens) followed by response (without): teacher-forced sequences.

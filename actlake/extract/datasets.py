@@ -484,3 +484,116 @@ def patch_labels(mask_path: Path, geometry: Any) -> np.ndarray:
     counts = np.zeros((gh * gw, 256), dtype=np.int64)
     np.add.at(counts, (np.repeat(np.arange(gh * gw), ps * ps), patches.reshape(-1)), 1)
     return counts.argmax(axis=1).astype(np.uint8)
+
+
+# ------------------------------------------------------------------------------------------
+# held-out splits (train / val by a hash of the sample key)
+# ------------------------------------------------------------------------------------------
+
+SPLITS = ("all", "train", "val")
+
+
+def check_split(split: str, val_fraction: float) -> None:
+    """ConfigError unless `split` is known and a train/val split has a fraction strictly between 0 and 1."""
+    if split not in SPLITS:
+        raise ConfigError(f"split must be one of {SPLITS}, got {split!r}")
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
+        raise ConfigError(f"val_fraction must be a number in [0, 1), got {val_fraction!r}")
+    if split != "all" and not 0 < val_fraction < 1:
+        raise ConfigError(f"split {split!r} needs 0 < val_fraction < 1, got {val_fraction!r}")
+
+
+def held_out(sample_key: Any, val_fraction: float) -> bool:
+    """Whether a sample is in the val split: the first 64 bits of sha256(str(key)) as a fraction of 2**64."""
+    return int(hashlib.sha256(str(sample_key).encode()).hexdigest()[:16], 16) / 2**64 < val_fraction
+
+
+def sample_keys(ds: Dataset) -> list[Any]:
+    """The key each sample is split by: its `ids` entry (the id column, else its position), else its index."""
+    return list(ds.ids) if ds.ids is not None else list(range(len(ds)))
+
+
+def select_split(ds: Dataset, split: str, val_fraction: float) -> Dataset:
+    """The rows of `split` as a new Dataset ('all': `ds` itself); `ids` keep the parent's keys for lineage."""
+    check_split(split, val_fraction)
+    if split == "all":
+        return ds
+    keys = sample_keys(ds)
+    want_val = split == "val"
+    rows = [i for i, key in enumerate(keys) if held_out(key, val_fraction) == want_val]
+    if not rows:
+        raise DatasetError(f"split {split!r} with val_fraction={val_fraction} holds no samples of the "
+                           f"{len(ds)} in the dataset", ds.root)
+
+    def pick(column: Any) -> Any:
+        if column is None:
+            return None
+        if isinstance(column, np.ndarray):
+            return column[np.asarray(rows, dtype=np.int64)]
+        return tuple(column[i] for i in rows)
+
+    blob = json.dumps({"parent": ds.fingerprint, "split": split, "val_fraction": float(val_fraction)},
+                      sort_keys=True).encode("utf-8")
+    holdout = {"split": split, "val_fraction": float(val_fraction), "parent_fingerprint": ds.fingerprint,
+               "parent_n_samples": len(ds)}
+    return Dataset(spec=ds.spec, kind=ds.kind, root=ds.root, source_format=ds.source_format,
+                   fingerprint=hashlib.sha256(blob).hexdigest(), texts=pick(ds.texts), responses=pick(ds.responses),
+                   labels=pick(ds.labels), label_names=ds.label_names, ids=tuple(keys[i] for i in rows),
+                   images=pick(ds.images), masks=pick(ds.masks), details={**ds.details, "holdout": holdout})
+
+
+# ------------------------------------------------------------------------------------------
+# a copy on disk (so a run directory's dataset link has a target)
+# ------------------------------------------------------------------------------------------
+
+MATERIALIZED_RECORDS = "records.jsonl"
+MATERIALIZED_INFO = "dataset.json"
+
+
+def _is_file_dataset(ds: Dataset) -> bool:
+    return not ds.root.startswith(BUILTIN_PREFIX) and Path(ds.root).is_absolute() and Path(ds.root).exists()
+
+
+def materialize_dataset(ds: Dataset, root: str | Path) -> Path:
+    """A readable copy of `ds` on disk: its existing root for a file/dir dataset, else `root/<name>-<fp16>/`.
+
+    The copy holds `records.jsonl` (one object per sample: text, id, and response / label /
+    label_name where present, in sample order) and `dataset.json` (the description and
+    fingerprint). Written under a temporary name and published atomically; an existing copy is
+    returned as is (its name is content-addressed).
+    """
+    from ..atomic import publish_dir, remove_tree, write_bytes_atomic, write_json_atomic
+
+    if _is_file_dataset(ds):
+        return Path(ds.root)
+    if ds.kind == "image":
+        raise DatasetError("an image dataset without a folder on disk cannot be materialised", ds.root)
+    name = ds.spec[len(BUILTIN_PREFIX):] if ds.spec.startswith(BUILTIN_PREFIX) else Path(ds.spec).name
+    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in name).strip(".-") or "dataset"
+    root = Path(root)
+    final = root / f"{name}-{ds.fingerprint[:16]}"
+    if final.is_dir():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    remove_tree(tmp)
+    tmp.mkdir()
+    try:
+        assert ds.texts is not None
+        lines = []
+        for i, text in enumerate(ds.texts):
+            rec: dict[str, Any] = {"text": text, "id": None if ds.ids is None else ds.ids[i]}
+            if ds.responses is not None:
+                rec["response"] = ds.responses[i]
+            if ds.labels is not None:
+                rec["label"] = int(ds.labels[i])
+                if ds.label_names is not None and ds.labels[i] >= 0:
+                    rec["label_name"] = ds.label_names[int(ds.labels[i])]
+            lines.append(json.dumps(rec, ensure_ascii=False, default=str) + "\n")
+        write_bytes_atomic(tmp / MATERIALIZED_RECORDS, "".join(lines).encode("utf-8"))
+        write_json_atomic(tmp / MATERIALIZED_INFO, {"dataset": ds.describe(), "spec": ds.spec,
+                                                     "records": MATERIALIZED_RECORDS})
+        return publish_dir(tmp, final)
+    except BaseException:
+        remove_tree(tmp)
+        raise

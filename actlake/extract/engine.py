@@ -9,6 +9,7 @@ to host, puts samples back in dataset order and calls `writer.write_batch` -> `w
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import queue
@@ -33,10 +34,20 @@ from .batching import (
     machine_slice,
     pad_batch,
     plan_windows,
+    token_lengths,
     tokenize_pairs,
     tokenize_texts,
 )
-from .datasets import Dataset, DatasetFields, load_pixels, open_dataset, patch_labels
+from .datasets import (
+    Dataset,
+    DatasetFields,
+    check_split,
+    load_pixels,
+    materialize_dataset,
+    open_dataset,
+    patch_labels,
+    select_split,
+)
 from .generate import generate_responses
 from .layers import LayerCapture, find_blocks, normalize_layers
 from .models import LoadedModel, load_model, set_offline
@@ -48,6 +59,12 @@ LAYER_NUMBERING = "layer l = output of block l = hidden_states[l + 1]; negative 
 @dataclass(frozen=True)
 class ExtractConfig:
     """Everything one extraction run needs; validated on construction.
+
+    split / val_fraction: which samples ('all', or the 'train' / 'val' side of a held-out fraction
+    chosen by a hash of each sample's key; docs/formats/extraction.md). machine_id / num_machines:
+    this machine's slice of the selected split (machine facts never enter the stores' identity).
+    datasets_root: where a dataset with no file on disk (builtin) is materialised for run links
+    (None: `<shards_root().parent>/datasets`).
 
     dtype: storage dtype (None: the format's DEFAULT_DTYPE, else float32); model_dtype: compute dtype.
     options: per-format knobs passed to the writer (`StoreSpec.options`); the engine itself reads
@@ -75,6 +92,9 @@ class ExtractConfig:
     queue_depth: int = 2
     progress: bool = False
     generate_max_new_tokens: int | None = None
+    split: str = "all"
+    val_fraction: float = 0.0
+    datasets_root: str | Path | None = None
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 2:
@@ -86,6 +106,7 @@ class ExtractConfig:
         check_device(self.device)
         if self.padding_side not in PADDING_SIDES:
             raise ConfigError(f"padding_side must be one of {PADDING_SIDES}, got {self.padding_side!r}")
+        check_split(self.split, self.val_fraction)
         if not 0 <= self.machine_id < self.num_machines:
             raise ConfigError(f"machine_id {self.machine_id} not in [0, {self.num_machines})")
         if self.limit is not None and self.limit < 1:
@@ -101,7 +122,12 @@ class ExtractConfig:
 
 @dataclass(frozen=True)
 class ExtractResult:
-    """What a run did: where the store is, and how much work this invocation did."""
+    """What a run did: where the store is, and how much work this invocation did.
+
+    path: this machine's published store (the store itself when num_machines == 1); run_dir: the
+    directory holding every machine's slice (== path when num_machines == 1); complete: every
+    slice is published and the run's manifest is written.
+    """
 
     path: Path
     spec: StoreSpec
@@ -110,6 +136,12 @@ class ExtractResult:
     n_tokens: int
     seconds: float
     batches: int
+    run_dir: Path | None = None
+    complete: bool = True
+
+    def __post_init__(self) -> None:
+        if self.run_dir is None:
+            object.__setattr__(self, "run_dir", self.path)
 
 
 def created_at() -> str:
@@ -149,8 +181,11 @@ class _Plan:
 
 
 def _make_plan(loaded: LoadedModel, ds: Dataset, cfg: ExtractConfig) -> _Plan:
+    """This machine's slice and tokens; the fixed shapes (T, R) come from the WHOLE dataset, so every
+    machine of a run computes the same ones and their slices merge."""
     start, stop, spm = machine_slice(len(ds), cfg.machine_id, cfg.num_machines)
     n = stop - start
+    whole = n == len(ds)
     if loaded.geometry is not None:
         t = loaded.geometry.n_patches + (1 if loaded.cls_token else 0)
         lengths = np.full(n, t, dtype=np.int64)
@@ -160,14 +195,18 @@ def _make_plan(loaded: LoadedModel, ds: Dataset, cfg: ExtractConfig) -> _Plan:
     if ds.kind == "prompt_response":
         assert ds.responses is not None
         r_max = cfg.options.get("response_max_tokens")
-        tok = tokenize_pairs(loaded.tokenizer, texts, ds.responses[start:stop], cfg.max_seq_len,
-                             None if r_max is None else int(r_max))
-        response = tok.lengths - tok.prompt_lengths
-        p_t = int(tok.prompt_lengths.max()) if n else 1
-        r_t = int(r_max) if r_max is not None else (int(response.max()) if n else 1)
+        if r_max is None and cfg.generate_max_new_tokens is not None:
+            r_max = cfg.generate_max_new_tokens  # other machines' generations are unknown here: cap at the budget
+        cap = None if r_max is None else int(r_max)
+        tok = tokenize_pairs(loaded.tokenizer, texts, ds.responses[start:stop], cfg.max_seq_len, cap)
+        full = tok if whole else tokenize_pairs(loaded.tokenizer, ds.texts, ds.responses, cfg.max_seq_len, cap)
+        response = full.lengths - full.prompt_lengths
+        p_t = int(full.prompt_lengths.max()) if len(full) else 1
+        r_t = cap if cap is not None else (int(response.max()) if len(full) else 1)
         return _Plan(start, stop, spm, tok.lengths, tok.prompt_lengths, tok, max(p_t, 1), max(r_t, 1))
     tok = tokenize_texts(loaded.tokenizer, texts, cfg.max_seq_len)
-    t = int(tok.lengths.max()) if n else 1
+    all_lengths = tok.lengths if whole else token_lengths(loaded.tokenizer, ds.texts, cfg.max_seq_len)
+    t = int(all_lengths.max()) if len(all_lengths) else 1
     return _Plan(start, stop, spm, tok.lengths, tok.lengths, tok, t, 0)
 
 
@@ -192,10 +231,6 @@ def build_spec(loaded: LoadedModel, ds: Dataset, cfg: ExtractConfig, layers: tup
         "model_dtype": loaded.dtype,
         "dataset": ds.describe(),
         "layers": list(layers),
-        "machine_id": cfg.machine_id,
-        "num_machines": cfg.num_machines,
-        "samples_per_machine": plan.samples_per_machine,
-        "sample_range": [plan.start, plan.stop],
     }
     if vision:
         assert loaded.geometry is not None
@@ -206,6 +241,9 @@ def build_spec(loaded: LoadedModel, ds: Dataset, cfg: ExtractConfig, layers: tup
         data["token_layout"] = "real tokens first, then zero padding"
     if plan.response_tokens:
         data["response_max_tokens"] = plan.response_tokens
+    # as plain JSON data: the merge of a run's slices rebuilds this spec from JSON, and saev hashes a
+    # pickle of `data` whose bytes depend on which equal strings are one object
+    data = json.loads(json.dumps(data))
     n_truncated = int(plan.tokens.truncated.sum()) if plan.tokens is not None else 0
     provenance: dict[str, Any] = {
         "model_name": loaded.name,
@@ -245,12 +283,28 @@ def build_spec(loaded: LoadedModel, ds: Dataset, cfg: ExtractConfig, layers: tup
     }
     if plan.response_tokens:
         provenance["response_max_tokens"] = plan.response_tokens
-    return StoreSpec(
+    if cfg.split != "all":
+        provenance["split"] = {"split": cfg.split, "val_fraction": cfg.val_fraction}
+    spec = StoreSpec(
         layers=layers, d_model=loaded.d_model, max_tokens=plan.max_tokens, n_samples=plan.n,
         model_name=loaded.name, family=loaded.family, cls_token=loaded.cls_token, dataset=ds.root, data=data,
         provenance=provenance, dtype=dtype, machine_id=cfg.machine_id, num_machines=cfg.num_machines,
         has_token_labels=vision and ds.has_masks, options=dict(cfg.options),
     )
+    provenance["run"] = run_block(spec, len(ds))
+    return spec
+
+
+def run_block(spec: StoreSpec, n_total: int) -> dict[str, Any]:
+    """What `actlake.slices` needs to find and merge the slices of a run: the whole run's StoreSpec
+    (identity fields; the one a 1-machine run of the same config has), this slice's place and hash."""
+    import dataclasses
+
+    whole = dataclasses.replace(spec, machine_id=0, num_machines=1, n_samples=n_total, provenance={})
+    fields = dataclasses.asdict(whole)
+    fields.pop("provenance")
+    return {"num_machines": spec.num_machines, "machine_id": spec.machine_id, "run_hash": spec.run_hash(),
+            "slice_hash": spec.content_hash(), "store_hash": whole.content_hash(), "store_spec": fields}
 
 
 # ------------------------------------------------------------------------------------------
@@ -424,6 +478,7 @@ class _WriterThread(threading.Thread):
         if self._k:
             extra["token_perplexity"] = staged.ppl[a:b]
         resp = None if staged.resp is None else staged.resp[a:b]
+        extra = dict(sorted(extra.items()))  # the order readers give them back in (a merge writes the same bytes)
         return Batch(
             acts_bltd=staged.acts[a:b], lengths=p_len.astype(np.int64), sample_ids=g.astype(np.int64), texts=texts,
             labels=None if ds.labels is None else ds.labels[g],
@@ -456,8 +511,9 @@ def extract(cfg: ExtractConfig, *, model: LoadedModel | None = None, dataset: Da
     t0 = time.perf_counter()
     device = resolve_device(cfg.device) if model is None else model.device
     loaded = model or load_model(cfg.model, device=device, dtype=cfg.model_dtype)
-    ds = dataset or open_dataset(cfg.data, cfg.fields, limit=cfg.limit)
+    ds = select_split(dataset or open_dataset(cfg.data, cfg.fields, limit=cfg.limit), cfg.split, cfg.val_fraction)
     _check_match(loaded, ds)
+    dataset_root = _dataset_root(ds, cfg)
     if cfg.generate_max_new_tokens is not None:
         start, stop, _ = machine_slice(len(ds), cfg.machine_id, cfg.num_machines)
         ds = generate_responses(loaded, ds, max_new_tokens=cfg.generate_max_new_tokens, start=start, stop=stop,
@@ -473,6 +529,8 @@ def extract(cfg: ExtractConfig, *, model: LoadedModel | None = None, dataset: Da
         raise ConfigError(f"storage dtype must be one of {STORAGE_DTYPES}, got {dtype!r}")
     plan = _make_plan(loaded, ds, cfg)
     spec = build_spec(loaded, ds, cfg, layers, plan, dtype, device)
+    if dataset_root is not None:
+        spec.provenance["dataset_root"] = str(dataset_root)
     try:
         writer = create_writer(cfg.format, Path(cfg.out), spec)
     except OSError as exc:
@@ -511,8 +569,24 @@ def extract(cfg: ExtractConfig, *, model: LoadedModel | None = None, dataset: Da
         raise
     finally:
         bar.close()
+    from ..slices import finish_slice
+
+    run_dir, complete = finish_slice(Path(path), cfg.format, cfg.num_machines)
     return ExtractResult(path=Path(path), spec=spec, n_samples=plan.n, resumed_from=resumed, n_tokens=n_tokens,
-                         seconds=time.perf_counter() - t0, batches=n_batches)
+                         seconds=time.perf_counter() - t0, batches=n_batches, run_dir=run_dir, complete=complete)
+
+
+def _dataset_root(ds: Dataset, cfg: ExtractConfig) -> Path | None:
+    """The dataset on disk for run links: its own root, or a materialised copy (builtin data)."""
+    if ds.kind == "image":
+        return Path(ds.root) if Path(ds.root).exists() else None
+    if cfg.datasets_root is not None:
+        root = Path(cfg.datasets_root)
+    else:
+        from ..runs import shards_root
+
+        root = shards_root().parent / "datasets"
+    return materialize_dataset(ds, root)
 
 
 def _progress(enabled: bool, total: int, name: str) -> Any:

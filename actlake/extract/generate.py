@@ -57,7 +57,7 @@ def generate_responses(loaded: LoadedModel, ds: Dataset, *, max_new_tokens: int,
     finally:
         tok.padding_side = side
     generation: dict[str, Any] = {"max_new_tokens": max_new_tokens, "decoding": "greedy", "model": loaded.name,
-                                  "weights_sha256": loaded.weights_sha256, "positions": [start, stop]}
+                                  "weights_sha256": loaded.weights_sha256}  # no slice: one identity per run
     fingerprint = hashlib.sha256(
         json.dumps({"prompts": ds.fingerprint, "generation": generation}, sort_keys=True).encode("utf-8")
     ).hexdigest()

@@ -43,6 +43,11 @@ def detect_format(path: str | Path) -> str:
     p = Path(path)
     if not p.exists():
         raise UnknownFormatError("no such file or directory", p)
+    from ..slices import run_format
+
+    sliced = run_format(p)  # a run directory of machine slices: the format of its slices
+    if sliced is not None:
+        return sliced
     for name in available_formats():
         if format_module(name).detect(p):
             return name
@@ -50,13 +55,24 @@ def detect_format(path: str | Path) -> str:
 
 
 def open_store(path: str | Path, format: str | None = None) -> Reader:
-    """Open any stored layout with the one Reader protocol."""
+    """Open any stored layout with the one Reader protocol (a run directory of machine slices: all of them)."""
+    from ..slices import open_run, run_format
+
+    sliced = run_format(path)
+    if sliced is not None and format in (None, sliced):
+        return open_run(path)
     name = format or detect_format(path)
     return format_module(name).open_reader(Path(path))
 
 
 def verify_store(path: str | Path, format: str | None = None) -> list[str]:
-    """Every problem found checking `path` against its spec (empty list: valid)."""
+    """Every problem found checking `path` against its spec (empty list: valid); a run of slices: each slice."""
+    from ..slices import run_format, slice_stores
+
+    sliced = run_format(path)
+    if sliced is not None and sliced != "zarr" and format in (None, sliced):
+        return [f"{store}: {problem}" for store in slice_stores(path)
+                for problem in format_module(sliced).verify(store)]
     name = format or detect_format(path)
     return format_module(name).verify(Path(path))
 

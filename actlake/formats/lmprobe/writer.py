@@ -48,7 +48,8 @@ def pooled_rows(acts_btd: np.ndarray, lengths: np.ndarray, pooling: str) -> np.n
 
 
 class LmprobeWriter(Writer):
-    """Streams Batches into `<out_root>/lmprobe-<hash16>` (built under `.tmp-lmprobe-<hash16>`).
+    """Streams Batches into `<out_root>/lmprobe-<hash16>` (built under `.tmp-lmprobe-<hash16>`); machine k
+    of M > 1 into `<out_root>/lmprobe-<runhash16>/machine_kkkk` (one run directory for every slice).
 
     Per-layer shard files are open only while their shard fills (rows written at their final
     offsets, nothing buffered beyond one batch); the parquet index (per-prompt metadata, no
@@ -63,9 +64,15 @@ class LmprobeWriter(Writer):
         self.code, self.itemsize = HIDDEN_DTYPES[spec.dtype]
         self.row_bytes = spec.d_model * self.itemsize
         self.root = Path(out_root)
-        digest = spec.content_hash()[:16]
-        self.final_path = self.root / f"lmprobe-{digest}"
-        self.tmp_path = self.root / f".tmp-lmprobe-{digest}"
+        if spec.num_machines > 1:  # machine k of M: `<out_root>/lmprobe-<runhash16>/machine_kkkk`
+            run_dir = self.root / f"lmprobe-{spec.run_hash()[:16]}"
+            self.final_path = run_dir / f"machine_{spec.machine_id:04d}"
+            self.tmp_path = run_dir / f".tmp-machine_{spec.machine_id:04d}-{spec.content_hash()[:16]}"
+            self.root = run_dir
+        else:
+            digest = spec.content_hash()[:16]
+            self.final_path = self.root / f"lmprobe-{digest}"
+            self.tmp_path = self.root / f".tmp-lmprobe-{digest}"
         self._closed = False
         self._lock: WriterLock | None = None
         self.root.mkdir(parents=True, exist_ok=True)

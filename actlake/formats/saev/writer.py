@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -239,8 +240,14 @@ class SaevWriter(Writer):
 
 
 def create_writer(out_root: Path, spec: StoreSpec) -> SaevWriter:
-    """Format-registry entry point."""
-    return SaevWriter(out_root, metadata_from_spec(spec), token_labels=spec.has_token_labels,
+    """Format-registry entry point: `<out_root>/<HASH>`; machine k of M > 1 writes its slice (a complete
+    saev directory of its samples) to `<out_root>/saev-<runhash16>/machine_kkkk/<HASH>`."""
+    root = Path(out_root)
+    if spec.num_machines > 1:  # the slice's own identity names its machine (the run's spec stays in provenance)
+        root = root / f"saev-{spec.run_hash()[:16]}" / f"machine_{spec.machine_id:04d}"
+        spec = replace(spec, data={**spec.data, "slice": {"machine_id": spec.machine_id,
+                                                          "num_machines": spec.num_machines}})
+    return SaevWriter(root, metadata_from_spec(spec), token_labels=spec.has_token_labels,
                       provenance=spec.provenance)
 
 

@@ -84,13 +84,19 @@ def write_manifest(run_dir: str | Path, num_shards: int | None = None, *, missin
         "format": MANIFEST_FORMAT, "schema_version": SCHEMA_VERSION, "num_shards": len(readers),
         "n_samples": len(ids), "layers": list(first.layers), "hidden_size": first.d_model,
         "P_max": first.max_tokens, "R_max": first.r_max,
-        "shards": [{"path": f"{SHARDS_DIR}/{found[k].name}", "machine_id": k, "n_samples": r.n_samples}
+        "shards": [{"path": f"{SHARDS_DIR}/{found[k].name}", "machine_id": k, "n_samples": r.n_samples,
+                    "sample_id_range": _id_range(r.sample_ids), "content_hash": r.meta.attrs.get("spec_hash")}
                    for k, r in zip(want, readers)],
         "index": np.stack([shard_of[order], local_of[order]], axis=1).tolist(),
     }
     target = run / MANIFEST_NAME
     write_json_atomic(target, manifest, indent=None)
     return target
+
+
+def _id_range(ids: np.ndarray) -> list[int] | None:
+    """[first, last + 1) of a shard's sample ids (None when empty)."""
+    return [int(ids.min()), int(ids.max()) + 1] if len(ids) else None
 
 
 class ZarrManifestReader(ZarrReaderBase):
