@@ -65,7 +65,7 @@ def materialize_graph(defs: dg.Definitions, settings: GraphSettings, instance: d
             steps += [("convert_formats", split_key(ckpt, s)) for s in SPLITS]
     for i, (job_name, pk) in enumerate(steps, 1):
         t = time.perf_counter()
-        result = defs.get_job_def(job_name).execute_in_process(partition_key=pk, instance=instance,
+        result = defs.resolve_job_def(job_name).execute_in_process(partition_key=pk, instance=instance,
                                                                run_config=None if verbose else QUIET)
         writers = {str(m.metadata[WRITTEN_BY].value) for m in result.get_asset_materialization_events()
                    for m in [m.materialization] if WRITTEN_BY in m.metadata}

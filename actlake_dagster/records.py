@@ -70,9 +70,9 @@ def writer_of(context: dg.AssetExecutionContext, data_version: str, wrote: bool)
     """The Dagster run that wrote the bytes behind `data_version`: this one if it wrote them, else the
     run recorded by the newest earlier materialization of this partition with the same version."""
     if wrote:
-        return context.run_id
+        return context.run.run_id
     key = context.asset_key
     for earlier in materializations(context.instance, key, context.partition_key, limit=100):
         if earlier.data_version == data_version and earlier.get(WRITTEN_BY):
             return str(earlier.get(WRITTEN_BY))
-    return context.run_id  # the bytes predate this instance's records: this run is the first to publish them
+    return context.run.run_id  # the bytes predate this instance's records: this run is the first to publish them

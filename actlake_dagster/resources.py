@@ -118,7 +118,8 @@ class CheckpointsResource(dg.ConfigurableResource):
 
 
 class StorageRootsResource(dg.ConfigurableResource):
-    """Where things go: the shards root, the runs root, machine slices and dataset copies.
+    """Where things go: the shards root, the runs root, machine slices and dataset copies (absolute paths,
+    so recorded metadata stays valid from any working directory).
 
     Empty values use the library's roots ($SAEV_SCRATCH / $ACTLAKE_SCRATCH and $SAEV_NFS / $ACTLAKE_NFS).
     """
@@ -129,12 +130,12 @@ class StorageRootsResource(dg.ConfigurableResource):
     def shards_root(self) -> Path:
         from actlake.runs import shards_root
 
-        return Path(self.scratch) / "saev" / "shards" if self.scratch else shards_root()
+        return (Path(self.scratch) / "saev" / "shards" if self.scratch else shards_root()).resolve()
 
     def runs_root(self) -> Path:
         from actlake.runs import runs_root
 
-        return Path(self.nfs) / "saev" / "runs" if self.nfs else runs_root()
+        return (Path(self.nfs) / "saev" / "runs" if self.nfs else runs_root()).resolve()
 
     def slices_root(self) -> Path:
         """Per-machine slices of each extraction run (merged into shards_root)."""

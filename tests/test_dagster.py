@@ -8,7 +8,6 @@ import warnings
 from pathlib import Path
 
 import dagster as dg
-import numpy as np
 import pytest
 
 from actlake_dagster.assets.keys import GPU_OP_TAGS, GPU_POOL
@@ -186,3 +185,90 @@ def test_device_resource_gives_each_step_its_own_gpu(tmp_path: Path) -> None:
         import torch
 
         assert cpu.name == ("cpu" if not torch.cuda.is_available() else cpu.name)
+
+
+@pytest.fixture
+def graph_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
+    """Roots and a persistent sqlite instance under tmp_path, as `actlake demo` would use them."""
+    paths = {"scratch": tmp_path / "scratch", "nfs": tmp_path / "nfs", "home": tmp_path / "dagster",
+             "checkpoints": tmp_path / "checkpoints"}
+    for var in ("SAEV_SCRATCH", "SAEV_NFS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("ACTLAKE_SCRATCH", str(paths["scratch"]))
+    monkeypatch.setenv("ACTLAKE_NFS", str(paths["nfs"]))
+    monkeypatch.setenv("DAGSTER_HOME", str(paths["home"]))
+    _save_checkpoint(paths["checkpoints"], "step-000100", 0)
+    return paths
+
+
+def test_graph_materializes_with_exact_lineage(graph_env: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """The whole graph on a real sqlite instance; lineage from files and from the instance agree with the disk;
+    a second pass writes nothing and names the first writers; automation then requests nothing, and a new
+    checkpoint directory requests exactly one extraction per machine."""
+    import actlake
+    from actlake.cli import main
+    from actlake.hashing import file_sha256
+    from actlake.lineage import lineage_from_files
+    from actlake.runs import open_run, runs_root, shards_root
+    from actlake_dagster.demo import materialize_graph, observe_checkpoints
+    from actlake_dagster.instance import open_instance
+    from actlake_dagster.lineage import instance_lineage
+
+    settings = GraphSettings(**{**SMALL.__dict__, "checkpoints_root": str(graph_env["checkpoints"]), "model": ""})
+    resources = {"checkpoints": CheckpointsResource(root=str(graph_env["checkpoints"])),
+                 "device": DeviceResource(device="cpu"), "storage": StorageRootsResource(),
+                 "sae": SAETrainingResource(k=4, expansion=2, epochs=2, batch_size=64)}
+    defs = build_defs(settings, resources)
+    instance = open_instance(graph_env["home"])
+    first = materialize_graph(defs, settings, instance, say=lambda _: None)
+    assert first.checkpoints == ["step-000100"] and len(first.runs) == 2 + 2 + 2
+    assert all(by == run_id for _, _, run_id, by in first.runs)  # the first pass wrote everything
+
+    merged = sorted(p for p in shards_root().iterdir() if not p.name.startswith("."))
+    assert len(merged) == 2  # one content-hashed directory per split
+    with actlake.open(merged[0]) as a, actlake.open(merged[1]) as b:
+        assert a.n_samples + b.n_samples == SMALL.limit
+    runs = sorted(p for p in runs_root().iterdir() if p.is_dir())
+    assert len(runs) == 2  # one run directory per layer
+    run = open_run(runs[-1])
+    for name in ("train-shards", "val-shards", "train-dataset", "val-dataset"):
+        target = (run.links_dir / name).resolve()
+        assert target.exists() and str(target).startswith(str(graph_env["scratch"].resolve())), name
+    assert {(run.links_dir / "train-shards").resolve(), (run.links_dir / "val-shards").resolve()} == set(merged)
+
+    lineage = lineage_from_files(run.path)
+    assert lineage["sae_checkpoint"]["sha256"] == file_sha256(run.sae_path)
+    assert lineage["train_shards"]["shard_hash"] == (run.links_dir / "train-shards").resolve().name
+    from actlake.extract.models import weights_sha256
+
+    assert lineage["checkpoint"]["weights_sha256"] == weights_sha256(graph_env["checkpoints"] / "step-000100")[0]
+    recorded = instance_lineage(instance, run.run_id)
+    assert recorded is not None
+    writers = {r[2] for r in first.runs}
+    assert recorded["sae_checkpoint"]["written_by_run"] in writers
+    assert recorded["train_shards"]["shard_hash"] == lineage["train_shards"]["shard_hash"]
+    assert len(recorded["train_shards"]["machine_slices"]) == 2
+    assert recorded["checkpoint"]["weights_sha256"] == lineage["checkpoint"]["weights_sha256"]
+
+    second = materialize_graph(defs, settings, instance, say=lambda _: None)  # nothing changed: no-ops
+    assert all(by != run_id and by in writers for _, _, run_id, by in second.runs)
+    again = instance_lineage(instance, run.run_id)
+    assert again is not None and again["sae_checkpoint"]["written_by_run"] == recorded["sae_checkpoint"]["written_by_run"]
+    result = dg.evaluate_automation_conditions(defs=defs, instance=instance)
+    assert result.total_requested == 0
+
+    # the CLI: by Dagster run id (the sae run's writer), then the reverse query by shard hash
+    dagster_run = recorded["sae_checkpoint"]["written_by_run"]
+    assert main(["lineage", dagster_run, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["run"]["run_id"] == run.run_id and out["dagster"]["sae_checkpoint"]["written_by_run"] == dagster_run
+    assert main(["lineage", "--shards", lineage["train_shards"]["shard_hash"], "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert sorted(r["run_id"] for r in out["runs"]) == sorted(p.name for p in runs)
+    assert main(["lineage", str(run.path)]) == 0
+    assert lineage["train_shards"]["shard_hash"] in capsys.readouterr().out
+
+    _save_checkpoint(graph_env["checkpoints"], "step-000200", 1)
+    observe_checkpoints(defs, instance)
+    result = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=result.cursor)
+    assert _requested(result) == {"machine_slices": ["step-000200|0", "step-000200|1"]}
