@@ -78,10 +78,14 @@ def shard_hash_of(path: Path) -> str:
 
 
 def dataset_of(shards: Path) -> str:
-    """The dataset a shard directory was extracted from (saev `dataset` field, else provenance)."""
+    """The dataset a shard directory was extracted from: the copy on disk the extractor recorded
+    (`dataset_root`, e.g. a materialised built-in dataset), else the saev `dataset` field or provenance."""
     import actlake
 
     with actlake.open(shards) as reader:
+        root = reader.provenance.get("dataset_root")
+        if isinstance(root, str) and root and Path(root).exists():
+            return root
         md = getattr(reader, "metadata", None)
         value = getattr(md, "dataset", "") if md is not None else ""
         return str(value or reader.provenance.get("dataset", "") or "")

@@ -272,3 +272,41 @@ def test_graph_materializes_with_exact_lineage(graph_env: dict[str, Path], capsy
     observe_checkpoints(defs, instance)
     result = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=result.cursor)
     assert _requested(result) == {"machine_slices": ["step-000200|0", "step-000200|1"]}
+
+
+def test_demo_runs_the_graph_and_prints_lineage_that_matches_the_disk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`actlake demo` (the README's first command) on the packaged MiniLM, kept small by the documented
+    ACTLAKE_* settings: every step is a Dagster run on a persistent instance under ./actlake-data, and the
+    printed lineage names the shard directories, sae.pt and weights actually on disk."""
+    import re
+
+    from actlake.cli import main
+    from actlake.extract.models import minilm_dir, weights_sha256
+    from actlake.hashing import file_sha256
+
+    for var in ("SAEV_SCRATCH", "SAEV_NFS", "ACTLAKE_SCRATCH", "ACTLAKE_NFS", "DAGSTER_HOME", "ACTLAKE_MODEL",
+                "ACTLAKE_CHECKPOINTS"):
+        monkeypatch.setenv(var, "")  # recorded, so the demo's own setting of DAGSTER_HOME is undone after
+        monkeypatch.delenv(var)
+    monkeypatch.chdir(tmp_path)
+    for var, value in {"ACTLAKE_LIMIT": "10", "ACTLAKE_MAX_SEQ_LEN": "12", "ACTLAKE_LAYERS": "2,4"}.items():
+        monkeypatch.setenv(var, value)
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    home = tmp_path / "actlake-data"
+    assert (home / "dagster" / "dagster.yaml").is_file()
+    assert len(re.findall(r"^\[ ?\d+/6\] ", out, flags=re.M)) == 6  # one progress line per Dagster run
+    run_id = re.search(r"lineage (minilm-l4-[0-9a-f]{12})", out).group(1)  # type: ignore[union-attr]
+    run = home / "runs" / run_id
+    assert file_sha256(run / "checkpoint" / "sae.pt") in out
+    for link in ("train-shards", "val-shards"):
+        target = (run / "links" / link).resolve()
+        assert target.parent == (home / "shards").resolve() and target.name in out
+        assert (target / "labels.bin").is_file()
+    assert weights_sha256(minilm_dir())[0] in out
+    assert (run / "links" / "train-dataset").resolve().is_dir()
+    assert "actlake ui" in out and f"lineage {run_id}" in out
+    assert main(["lineage", run_id, "--json"]) == 0  # the printed command, from the same folder
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["train_shards"]["shard_hash"] == (run / "links" / "train-shards").resolve().name

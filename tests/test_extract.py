@@ -597,15 +597,3 @@ def test_cli_extract_prints_published_dir_last(tmp_path: Path, txt_file: Path, c
     rc = main(["extract", "--model", str(tmp_path / "nope"), "--data", str(txt_file), "--out", str(tmp_path)])
     assert rc == 2 and "nope" in capsys.readouterr().err
 
-
-def test_demo_publishes_minilm_all_layers(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from actlake.cli import main
-
-    assert main(["demo", "--out", str(tmp_path), "--n-texts", "6", "--max-seq-len", "16", "--no-progress"]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    path = Path(out[-1])
-    got = read_saev(path)
-    assert got["md"]["layers"] == list(range(6)) and got["md"]["d_model"] == 384 and got["md"]["family"] == "bert"
-    assert len(got["acts"]) == 6 and got["provenance"]["model_name"] == "minilm"
-    assert len(got["provenance"]["weights_sha256"]) == 64 and actlake.verify(path) == []
-    assert any("n_samples" in line for line in out)

@@ -104,6 +104,15 @@ def test_labels_bin_layout(tmp_path: Path, rng: np.random.Generator) -> None:
     assert np.array_equal(reader.token_labels[:, 1:], token_labels[:, 1:])
 
 
+def test_text_extraction_has_all_ignore_labels_bin(tmp_path: Path, rng: np.random.Generator) -> None:
+    """The storage spec says every shard directory has labels.bin: text gets 255 (ignore) for every patch."""
+    out = write_saev(tmp_path, _acts(rng, 6, 2, 5, 3), layers=(0, 1))
+    raw = np.fromfile(out / "labels.bin", dtype=np.uint8)
+    assert raw.shape == (6 * 5,) and (raw == 255).all()
+    assert actlake.open(out).token_labels is None  # no labels to carry into other formats
+    assert actlake.verify(out) == []
+
+
 def test_full_size_last_shard_is_read(tmp_path: Path, rng: np.random.Generator) -> None:
     """Upstream writes the last shard zero-padded to full size; both layouts read the same."""
     acts = _acts(rng, 5, 1, 2, 3)

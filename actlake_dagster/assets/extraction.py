@@ -50,7 +50,7 @@ def build_extraction_assets(settings: GraphSettings, parts: GraphPartitions,
                                 layers=list(settings.layers), format="saev", max_seq_len=settings.max_seq_len,
                                 batch_size=settings.batch_size, device=device.name, limit=settings.limit,
                                 machine_id=machine, num_machines=settings.num_machines, split=split,
-                                val_fraction=settings.val_fraction)
+                                val_fraction=settings.val_fraction, datasets_root=storage.datasets_root())
             result = extract(cfg, model=loaded)
             wrote = wrote or result.n_tokens > 0
             hashes[split] = shard_hash_of(result.path)

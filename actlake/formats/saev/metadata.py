@@ -22,6 +22,8 @@ FORMAT = "saev"
 PROTOCOL = "2.1"
 DEFAULT_PATCHES_PER_SHARD = 2_400_000
 MAX_EXAMPLES = 1 << 40
+#: labels.bin value of a patch with no label; a text extraction's labels.bin holds only this value
+IGNORE_LABEL = 255
 
 #: newer upstream field names accepted on read -> protocol 2.1 names
 FIELD_ALIASES = {"content_tokens_per_example": "patches_per_ex", "max_tokens_per_shard": "patches_per_shard"}

@@ -12,7 +12,7 @@ from ...batch import Batch
 from ...errors import FormatError, MetadataError, MissingFileError, TruncatedFileError
 from ...jsonio import peek_json, read_json
 from ...reader import Reader, TokenSegment
-from .metadata import FORMAT, SaevMetadata, shard_name
+from .metadata import FORMAT, IGNORE_LABEL, SaevMetadata, shard_name
 
 
 def read_metadata(path: Path) -> SaevMetadata:
@@ -73,6 +73,7 @@ class SaevReader(Reader):
         self._lengths = self._load_sidecar("lengths.bin", np.int32, (md.n_examples,))
         self._sample_ids = self._load_sidecar("sample_ids.bin", np.int64, (md.n_examples,))
         self._token_labels_raw = self._load_sidecar("labels.bin", np.uint8, (md.n_examples, md.patches_per_ex))
+        self._labels_all_ignore: bool | None = None
         if self._lengths is not None:
             lengths = np.asarray(self._lengths, dtype=np.int64)
             if len(lengths) and (lengths.min() < 0 or lengths.max() > md.tokens_per_ex):
@@ -156,15 +157,25 @@ class SaevReader(Reader):
 
     @property
     def token_labels(self) -> np.ndarray | None:
-        """[N, T] uint8 labels; the CLS position (if any) is 0, patches from `labels.bin`."""
+        """[N, T] uint8 labels; the CLS position (if any) is 0, patches from `labels.bin`.
+        None when there is no labels.bin, or when every patch is IGNORE_LABEL (a text extraction)."""
         raw = self._token_labels_raw
-        if raw is None:
+        if raw is None or self._all_ignore(raw):
             return None
         if not self.metadata.cls_token:
             return np.asarray(raw)
         out = np.zeros((self.n_samples, self.max_tokens), dtype=np.uint8)
         out[:, 1:] = raw
         return out
+
+    def _all_ignore(self, raw: np.ndarray) -> bool:
+        """Whether labels.bin holds only IGNORE_LABEL (checked once, in bounded row blocks)."""
+        if self._labels_all_ignore is None:
+            flat = np.asarray(raw).reshape(-1)
+            step = 1 << 24
+            self._labels_all_ignore = all(bool((flat[i : i + step] == IGNORE_LABEL).all())
+                                          for i in range(0, len(flat), step))
+        return self._labels_all_ignore
 
     @property
     def provenance(self) -> dict[str, Any]:

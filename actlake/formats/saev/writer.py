@@ -15,7 +15,7 @@ from ...batch import Batch
 from ...errors import ConfigError, FormatError
 from ...spec import StoreSpec
 from ...writer import Writer
-from .metadata import SaevMetadata, metadata_from_spec, shard_name
+from .metadata import IGNORE_LABEL, SaevMetadata, metadata_from_spec, shard_name
 
 
 class SaevWriter(Writer):
@@ -220,8 +220,8 @@ class SaevWriter(Writer):
                 for part in parts:
                     out.write(part.read_bytes())
         remove_tree(tmp / ".texts")
-        if not self._token_labels and (tmp / "labels.bin").exists():
-            (tmp / "labels.bin").unlink()
+        if not self._token_labels:
+            _write_ignore_labels(tmp / "labels.bin", md.n_examples * md.patches_per_ex)
         if self._provenance:
             write_json_atomic(tmp / "provenance.json", self._provenance)
         (tmp / "progress.json").unlink()
@@ -249,6 +249,18 @@ def create_writer(out_root: Path, spec: StoreSpec) -> SaevWriter:
                                                           "num_machines": spec.num_machines}})
     return SaevWriter(root, metadata_from_spec(spec), token_labels=spec.has_token_labels,
                       provenance=spec.provenance)
+
+
+def _write_ignore_labels(path: Path, nbytes: int, chunk: int = 1 << 22) -> None:
+    """labels.bin of an extraction without per-patch labels (text): every patch IGNORE_LABEL, written
+    in bounded chunks and fsynced (the storage spec says every shard directory has labels.bin)."""
+    block = bytes([IGNORE_LABEL]) * min(chunk, max(nbytes, 1))
+    with open(path, "wb") as f:
+        left = nbytes
+        while left > 0:
+            left -= f.write(block[: min(left, len(block))])
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _pwrite_all(fd: int, array: np.ndarray, offset: int) -> None:

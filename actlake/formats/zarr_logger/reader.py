@@ -245,7 +245,7 @@ class ZarrReader(ZarrReaderBase):
     def provenance(self) -> dict[str, Any]:
         a = self.meta.attrs
         out = {k: a[k] for k in ("model_id", "family", "dataset_name", "created_at", "git_commit", "schema_version",
-                                 "spec_hash") if k in a}
+                                 "spec_hash", "machine_id", "num_machines") if k in a}
         if isinstance(a.get("provenance"), dict):
             out.update(a["provenance"])
         return out
