@@ -56,9 +56,13 @@ def test_directory_matches_spec(tmp_path: Path, rng: np.random.Generator) -> Non
     shards = json.loads((out / "shards.json").read_text())
     assert shards == [{"name": "acts000000.bin", "n_examples": 4}, {"name": "acts000001.bin", "n_examples": 4},
                       {"name": "acts000002.bin", "n_examples": 3}]
+    # every shard full size, the last one too (upstream memmaps (examples_per_shard, L, T, D)); its tail reads zero
+    for s in shards:
+        assert os.stat(out / s["name"]).st_size == 4 * 2 * 5 * 8 * 4
     # section 4: logical tensor (N, L, T, D) split along examples, C order, float32
-    pieces = [np.fromfile(out / s["name"], dtype="<f4").reshape(s["n_examples"], 2, 5, 8) for s in shards]
-    whole = np.concatenate(pieces)
+    pieces = [np.fromfile(out / s["name"], dtype="<f4").reshape(4, 2, 5, 8) for s in shards]
+    assert not pieces[-1][3:].any()
+    whole = np.concatenate([p[: s["n_examples"]] for p, s in zip(pieces, shards)])
     assert np.array_equal(whole, acts * (np.arange(5)[None, None, :, None] < lengths[:, None, None, None]))
     # offset formula of section 4.2 for one coordinate
     ex, layer_idx, tok = 9, 0, 2
@@ -113,17 +117,42 @@ def test_text_extraction_has_all_ignore_labels_bin(tmp_path: Path, rng: np.rando
     assert actlake.verify(out) == []
 
 
-def test_full_size_last_shard_is_read(tmp_path: Path, rng: np.random.Generator) -> None:
-    """Upstream writes the last shard zero-padded to full size; both layouts read the same."""
+def test_last_shard_is_full_size(tmp_path: Path, rng: np.random.Generator) -> None:
+    """The last shard has the full shape of spec section 3, so upstream's full-shape memmap opens it."""
+    n, n_layers, t, d = 7, 2, 3, 4
+    budget = 3 * n_layers * 3 + 1  # floor(19 / (T * L)) = 3 examples per shard: shards of 3, 3, 1
+    out = write_saev(tmp_path, _acts(rng, n, n_layers, t, d), layers=(0, 1), patches_per_shard=budget)
+    md = json.loads((out / "metadata.json").read_text())
+    tokens_per_ex = md["patches_per_ex"] + (1 if md["cls_token"] else 0)
+    examples_per_shard = md["patches_per_shard"] // (tokens_per_ex * len(md["layers"]))
+    shape_per_shard = (examples_per_shard, len(md["layers"]), tokens_per_ex, md["d_model"])
+    assert examples_per_shard == 3
+    shards = json.loads((out / "shards.json").read_text())
+    assert [s["n_examples"] for s in shards] == [3, 3, 1]  # the real count of the last shard
+    last = out / shards[-1]["name"]
+    assert os.stat(last).st_size == int(np.prod(shape_per_shard)) * 4
+    mm = np.memmap(last, dtype=np.float32, mode="r", shape=shape_per_shard)  # upstream's open
+    assert not mm[1:].any()  # the padding examples read as zeros
+    assert actlake.verify(out) == []
+
+
+def test_truncated_last_shard_is_read(tmp_path: Path, rng: np.random.Generator) -> None:
+    """A last shard truncated to its real count (older actlake) reads the same as the full-size one."""
     acts = _acts(rng, 5, 1, 2, 3)
-    out = write_saev(tmp_path, acts, layers=(0,), patches_per_shard=2 * 3)
-    padded = tmp_path / "padded"
-    padded.mkdir()
+    out = write_saev(tmp_path / "root", acts, layers=(0,), patches_per_shard=3 * 2)
+    truncated = tmp_path / "copy" / out.name
+    truncated.mkdir(parents=True)
     for f in out.iterdir():
-        (padded / f.name).write_bytes(f.read_bytes())
-    last = padded / "acts000001.bin"
-    last.write_bytes(last.read_bytes() + bytes(1 * 2 * 3 * 4))
-    assert np.array_equal(actlake.open(padded).batch(range(5)).acts_bltd, acts)
+        (truncated / f.name).write_bytes(f.read_bytes())
+    last = truncated / "acts000001.bin"
+    assert last.stat().st_size == 3 * 2 * 3 * 4
+    last.write_bytes(last.read_bytes()[: 2 * 2 * 3 * 4])
+    assert np.array_equal(actlake.open(truncated).batch(range(5)).acts_bltd, acts)
+    assert actlake.verify(truncated) == []
+    last.write_bytes(last.read_bytes()[:-4])  # neither size
+    with pytest.raises(TruncatedFileError, match=r"expected 72 .* or 48 \(truncated to its 2 examples\)"):
+        SaevReader(truncated)
+    assert any("acts000001.bin: size 44 bytes" in p for p in actlake.verify(truncated))
 
 
 def test_reader_get_batch_last_token(tmp_path: Path, rng: np.random.Generator) -> None:

@@ -1,8 +1,9 @@
 """saev protocol 2.1: content-hashed directory of float32 memmap shards (shared/specs/saev-protocol-2.1.md).
 
 Choices where the spec is silent are recorded in docs/formats/saev.md:
-- the last shard is written truncated to its real example count; full-size (zero-padded, as
-  upstream writes) last shards are read as well;
+- every shard, the last one included, is written at the full size of section 3 (as upstream
+  writes and memmaps it; the last one's tail is a zero-reading file hole); last shards truncated
+  to their real example count (older actlake) are read as well;
 - optional additions (protocol minor addition, files only, so `metadata.json` and the hash keep
   the 2.1 field set): `lengths.bin` int32 [n_examples] real token counts, `sample_ids.bin`
   int64 [n_examples] global sample ids, `samples.jsonl` one JSON object per example with

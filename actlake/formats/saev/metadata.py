@@ -137,6 +137,11 @@ class SaevMetadata:
     def example_bytes(self) -> int:
         return len(self.layers) * self.tokens_per_ex * self.d_model * 4
 
+    @property
+    def shard_bytes(self) -> int:
+        """Size of every written shard file, the last one included: `examples_per_shard` examples."""
+        return self.examples_per_shard * self.example_bytes
+
     def to_json(self) -> dict[str, Any]:
         """The `metadata.json` object (exactly the spec's fields, plus any extras read)."""
         out = dict(self.extra)

@@ -42,6 +42,15 @@ def read_shards_json(path: Path, md: SaevMetadata) -> list[int]:
     return counts
 
 
+def expected_shard_size(count: int, md: SaevMetadata) -> str:
+    """What a shard holding `count` examples may measure, for messages: full size, or (a short last
+    shard) truncated to its real count."""
+    full = f"expected {md.shard_bytes} ({md.examples_per_shard} examples x {md.example_bytes} bytes)"
+    if count == md.examples_per_shard:
+        return full
+    return f"{full} or {count * md.example_bytes} (truncated to its {count} examples)"
+
+
 class SaevReader(Reader):
     """Memmap reader of a saev 2.1 directory (spec section 4 coordinate transform)."""
 
@@ -68,8 +77,7 @@ class SaevReader(Reader):
             allowed = {count * md.example_bytes, md.examples_per_shard * md.example_bytes}
             if size not in allowed:
                 raise TruncatedFileError(
-                    f"size {size} bytes, expected {count * md.example_bytes} "
-                    f"({count} examples x {md.example_bytes} bytes)", f)
+                    f"size {size} bytes, {expected_shard_size(count, md)}", f)
         self._lengths = self._load_sidecar("lengths.bin", np.int32, (md.n_examples,))
         self._sample_ids = self._load_sidecar("sample_ids.bin", np.int64, (md.n_examples,))
         self._token_labels_raw = self._load_sidecar("labels.bin", np.uint8, (md.n_examples, md.patches_per_ex))

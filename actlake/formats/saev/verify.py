@@ -9,7 +9,7 @@ import numpy as np
 
 from ...errors import FormatError, HashMismatchError
 from .metadata import KNOWN_FAMILIES, shard_name
-from .reader import SaevReader, read_metadata, read_shards_json
+from .reader import SaevReader, expected_shard_size, read_metadata, read_shards_json
 
 
 def verify(path: Path, *, check_values: bool = True) -> list[str]:
@@ -40,8 +40,8 @@ def verify(path: Path, *, check_values: bool = True) -> list[str]:
             problems.append(f"{f}: missing")
             continue
         size = f.stat().st_size
-        if size not in {count * md.example_bytes, md.examples_per_shard * md.example_bytes}:
-            problems.append(f"{f}: size {size} bytes, expected {count * md.example_bytes}")
+        if size not in {count * md.example_bytes, md.shard_bytes}:
+            problems.append(f"{f}: size {size} bytes, {expected_shard_size(count, md)}")
     listed = {shard_name(i) for i in range(len(counts))}
     for f in sorted(path.glob("acts*.bin")):
         if f.name not in listed:

@@ -114,7 +114,12 @@ class SaevWriter(Writer):
         self._in_shard = 0
 
     def _commit_shard(self) -> None:
-        """Make the current shard durable: sidecars, texts, shard file, then progress."""
+        """Make the current shard durable: sidecars, texts, shard file, then progress.
+
+        The shard file is extended to the full `examples_per_shard` size of spec section 3 even
+        when it is the last, short one: upstream saev memmaps every shard at that shape. The
+        extension is a file hole (reads as zeros, no bytes written); `shards.json` keeps the real count.
+        """
         assert self._file is not None
         for arr in (self._lengths, self._sample_ids, self._labels):
             if isinstance(arr, np.memmap):
@@ -123,7 +128,8 @@ class SaevWriter(Writer):
             write_bytes_atomic(self.tmp_path / ".texts" / f"{self._shard_idx:06d}.jsonl",
                                "".join(self._text_lines).encode("utf-8"))
         self._text_lines = []
-        os.ftruncate(self._file.fileno(), self._counts[self._shard_idx] * self.metadata.example_bytes)  # trailing holes
+        # every shard full size (upstream memmaps the full shape): the last one's tail is a hole, no bytes written
+        os.ftruncate(self._file.fileno(), self.metadata.shard_bytes)
         os.fsync(self._file.fileno())
         self._file.close()
         self._file = None
