@@ -13,14 +13,33 @@ import sys
 from . import __version__, commands
 from .errors import ActlakeError
 
+DESCRIPTION = (
+    "Transformer activations on disk: extract them once (saev, zarr, lmprobe or pickle layouts), read them "
+    "back, train sparse autoencoders on them, and trace every SAE to its shards, checkpoint and dataset. "
+    "`actlake demo` runs the whole Dagster asset graph on the embedded MiniLM; `actlake ui` opens it.")
+EPILOG = "Exit codes: 0 success; 1 `verify` found problems; 2 the command failed (the message names the file)."
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows each option's default where it has one and its help does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or default is None or default is False or default == []
+                or default is argparse.SUPPRESS or action.option_strings == []):
+            return text
+        return f"{text} (default: %(default)s)"
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="actlake", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="actlake", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"actlake {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"{commands.__name__}.{info.name}")
-        p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP, formatter_class=_HelpFormatter)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser

@@ -25,7 +25,7 @@ import numpy as np
 
 from .batch import Batch
 from .errors import ConfigError, FormatError, MetadataError, MissingSliceError
-from .jsonio import peek_json, read_json
+from .jsonio import peek_json
 from .reader import Reader, TokenSegment
 
 MANIFEST_NAME = "manifest.json"

@@ -76,7 +76,10 @@ def test_upstream_load_activations_and_probe(tmp_path: Path, storage: str, dtype
 
 def test_actlake_package_does_not_shadow_upstream() -> None:
     """`actlake.formats.lmprobe` is a package of the same last name: top-level `lmprobe` must stay upstream's."""
-    assert "actlake" not in Path(lmprobe.__file__).parts
+    import actlake
+
+    package = Path(actlake.__file__).resolve().parent  # the clone's own folder may be named actlake too
+    assert package not in Path(lmprobe.__file__).resolve().parents
     assert hasattr(lmprobe, "load_activations") and hasattr(lmprobe, "Probe")
     assert lm.__name__ == "actlake.formats.lmprobe"
 

@@ -30,7 +30,13 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.batch_mb > 0:
         raise ConfigError(f"--batch-mb must be positive, got {args.batch_mb}")
-    out = convert(args.src, args.to, args.out, parse_options(args.option),
+    options = parse_options(args.option)
+    if args.to == "lmprobe" and options.get("storage", "pooled") != "full_sequence":
+        import sys
+
+        print("actlake convert: note: lmprobe's default storage keeps one pooled (last-token) vector per sample; "
+              "pass --option storage=full_sequence for a lossless copy of every token", file=sys.stderr)
+    out = convert(args.src, args.to, args.out, options,
                   batch_bytes=max(1, int(args.batch_mb * 2**20)), verify=not args.no_verify)
     print(out)
     return 0
