@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 from contextlib import contextmanager
@@ -180,3 +181,34 @@ class WriterLock:
             self.path.unlink(missing_ok=True)
         os.close(self._fd)
         self._fd = None
+
+
+_PID_SUFFIX = re.compile(r"^\.tmp-.+-(\d+)(\.[A-Za-z0-9]+)?$")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_orphaned_tmp(parent: Path) -> list[Path]:
+    """Remove `.tmp-<name>-<pid>` entries under `parent` whose writing process is gone (a killed
+    `infer` or `merge`); a live writer's temporary directory is left alone. Returns what was removed."""
+    removed = []
+    if not Path(parent).is_dir():
+        return removed
+    for entry in Path(parent).iterdir():
+        m = _PID_SUFFIX.match(entry.name)
+        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
+            if entry.is_dir() and not entry.is_symlink():
+                remove_tree(entry)
+            else:
+                entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed

@@ -55,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()
         return 0
+    except OSError as exc:  # a read-only filesystem, a full disk, no permission: say where, no traceback
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"actlake {args.command}: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"actlake {args.command}: interrupted", file=sys.stderr)
         return 130

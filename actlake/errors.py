@@ -77,6 +77,10 @@ class DatasetError(ActlakeError):
     """A dataset could not be read or is empty."""
 
 
+class WriteError(ActlakeError):
+    """Writing failed: a read-only filesystem, a full disk, no permission (the path says where)."""
+
+
 class RunError(ActlakeError):
     """A run directory is incomplete or one of its links is broken."""
 

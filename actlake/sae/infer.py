@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,7 +22,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from ..atomic import remove_tree, replace_dir, write_json_atomic
+from ..atomic import fsync_file, remove_orphaned_tmp, remove_tree, replace_dir, write_json_atomic
 from ..errors import ConfigError, RunError
 from ..reader import Reader
 from .model import SparseAutoencoder, load_sae
@@ -156,12 +157,31 @@ def infer_run(run: "Run", shards: str | Path | None = None, *, device: str = "au
     same checkpoint already there is kept (returned as is); one from another checkpoint is a
     RunError unless `overwrite`.
     """
-    import actlake
-    from ..runs import file_sha256, shard_hash_of
+    from ..run_guard import check_links, run_lock
 
     cfg = run.read_config()
     if not run.has_checkpoint:
         raise RunError("run has no checkpoint/sae.pt (train it first)", run.sae_path)
+    check_links(run, cfg)
+    with run_lock(run, "inference"):
+        remove_orphaned_tmp(run.inference_root)
+        return _infer_locked(run, cfg, shards, device=device, overwrite=overwrite, progress=progress)
+
+
+def _dump_is_whole(out: Path, recorded: dict[str, Any]) -> bool:
+    """Whether an existing dump's patch_acts.npz is the one its config.json recorded (sha256), so a
+    truncated or replaced dump is never handed back as done."""
+    from ..hashing import file_sha256
+
+    want = recorded.get("patch_acts_sha256")
+    return isinstance(want, str) and (out / "patch_acts.npz").is_file() and file_sha256(out / "patch_acts.npz") == want
+
+
+def _infer_locked(run: "Run", cfg: dict[str, Any], shards: str | Path | None, *, device: str, overwrite: bool,
+                  progress: bool) -> Path:
+    import actlake
+    from ..runs import file_sha256, shard_hash_of
+
     if shards is None:
         shards_path = run.val_shards or run.train_shards
     else:
@@ -176,9 +196,12 @@ def infer_run(run: "Run", shards: str | Path | None = None, *, device: str = "au
             old = json.loads((out / "config.json").read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError):
             old = {}
-        if old.get("checkpoint_sha256") == ckpt_sha:
+        old = old if isinstance(old, dict) else {}
+        if old.get("checkpoint_sha256") == ckpt_sha and _dump_is_whole(out, old):
             return out
-        raise RunError("an inference dump from another checkpoint exists (use --overwrite)", out)
+        if old.get("checkpoint_sha256") not in (None, ckpt_sha):
+            raise RunError("an inference dump from another checkpoint exists (use --overwrite)", out)
+        # a dump of this checkpoint that is damaged (or has no record of its bytes): written again below
     dev = resolve_device(device)
     sae, blob = load_sae(run.sae_path, device=dev)
     layer = int(cfg["layer"])
@@ -190,6 +213,7 @@ def infer_run(run: "Run", shards: str | Path | None = None, *, device: str = "au
     remove_tree(tmp)
     tmp.mkdir(parents=True)
     sp.save_npz(tmp / "patch_acts.npz", result.acts, compressed=False)
+    fsync_file(tmp / "patch_acts.npz")
     metrics = {**result.metrics, "layer": layer, "shard_hash": shard_hash}
     write_json_atomic(tmp / "metrics.json", metrics)
     write_json_atomic(tmp / "config.json", {
@@ -209,6 +233,7 @@ def infer_run(run: "Run", shards: str | Path | None = None, *, device: str = "au
         "has_texts": has_texts,
         "checkpoint": "checkpoint/sae.pt",
         "checkpoint_sha256": ckpt_sha,
+        "patch_acts_sha256": file_sha256(tmp / "patch_acts.npz"),
         "sae": sae.config.to_json(),
     })
     return replace_dir(tmp, out)
@@ -223,5 +248,5 @@ def load_patch_acts(inference_dir: Path) -> sp.csr_matrix:
         raise MissingFileError("inference dump is missing (run `actlake infer --run` first)", f)
     try:
         return sp.load_npz(f).tocsr()
-    except (ValueError, OSError, KeyError) as exc:
-        raise FormatError(f"not a scipy sparse npz: {exc}", f) from exc
+    except (ValueError, OSError, KeyError, EOFError, zipfile.BadZipFile) as exc:  # a truncated zip among them
+        raise FormatError(f"not a whole scipy sparse npz ({type(exc).__name__}: {str(exc)[:200]})", f) from exc

@@ -265,8 +265,13 @@ def save_sae(path: Any, sae: SparseAutoencoder, **extra: Any) -> None:
 
     state = {k: v.detach().cpu().contiguous() for k, v in sae.state_dict().items()}
     blob = {"format": CHECKPOINT_FORMAT, "config": sae.config.to_json(), "state_dict": state, **extra}
-    with atomic_file(path) as f:
-        torch.save(blob, f)
+    from ..errors import WriteError
+
+    try:
+        with atomic_file(path) as f:
+            torch.save(blob, f)
+    except RuntimeError as exc:  # torch's inline_container reports ENOSPC and friends as RuntimeError
+        raise WriteError(f"could not write the checkpoint ({str(exc)[:200]})", path) from exc
 
 
 def load_sae(path: Any, *, device: str | torch.device = "cpu") -> tuple[SparseAutoencoder, dict[str, Any]]:
@@ -287,6 +292,9 @@ def load_sae(path: Any, *, device: str | torch.device = "cpu") -> tuple[SparseAu
         raise FormatError(f"not an {CHECKPOINT_FORMAT} checkpoint dict", path)
     if not isinstance(blob.get("state_dict"), dict):
         raise FormatError("checkpoint has no state_dict", path)
+    for name, value in blob["state_dict"].items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise FormatError(f"weights {name!r} hold NaN or Inf values: refusing a broken SAE", path)
     try:
         config = SAEConfig.from_json(blob.get("config"))
         sae = SparseAutoencoder.from_state(config, blob["state_dict"])

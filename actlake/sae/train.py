@@ -168,6 +168,9 @@ def train_sae(source: str | Path | Reader, cfg: TrainConfig, *, progress: bool =
     sae = SparseAutoencoder(sae_cfg, generator=gen)
 
     sample_nd = sample_rows(reader, cfg.layer, SCALE_SAMPLE_TOKENS, cfg.seed)
+    if not np.isfinite(sample_nd).all():
+        raise DatasetError(f"the input holds NaN or Inf values (layer {cfg.layer}, found in a sample of "
+                           f"{len(sample_nd)} tokens): check the activation store with `actlake verify`")
     scale = input_scale(sample_nd) if cfg.normalise else 1.0
     with torch.no_grad():
         sae.input_scale.fill_(scale)
@@ -215,6 +218,9 @@ def train_sae(source: str | Path | Reader, cfg: TrainConfig, *, progress: bool =
                 stats = {name: float(out[name].detach()) for name in ("loss", "mse", "aux", "l0")}
                 loss = stats["loss"]
                 if not math.isfinite(loss):
+                    if not bool(torch.isfinite(x_bd).all()):
+                        raise DatasetError(f"the input holds NaN or Inf values (layer {cfg.layer}): "
+                                           "check the activation store with `actlake verify`")
                     raise ConfigError(f"training diverged at step {step} (loss {loss}); lower --lr")
                 curve.append({"step": step, "epoch": epoch, "tokens": seen, **stats,
                               "dead_frac": float(dead_n.float().mean())})
@@ -241,8 +247,16 @@ def train_run(run: "Run", cfg: TrainConfig, *, overwrite: bool = False, progress
     """Train on the run's links/train-shards and write checkpoint/{config.json, sae.pt}.
 
     An existing checkpoint is refused (RunError) unless `overwrite`; sae.pt is written last, so
-    its presence means the checkpoint is complete.
+    its presence means the checkpoint is complete. The run directory is locked while it trains, so a
+    second `train` of the same run fails at once instead of overwriting the first one's checkpoint.
     """
+    from ..run_guard import run_lock
+
+    with run_lock(run, "training"):
+        return _train_locked(run, cfg, overwrite=overwrite, progress=progress)
+
+
+def _train_locked(run: "Run", cfg: TrainConfig, *, overwrite: bool, progress: bool) -> TrainResult:
     import datetime
 
     import actlake

@@ -10,7 +10,6 @@ which). See docs/formats/runs.md.
 from __future__ import annotations
 
 import html
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -21,8 +20,10 @@ import numpy as np
 import scipy.sparse as sp
 
 from ..atomic import remove_tree, replace_dir
-from ..errors import ConfigError, RunError
+from ..errors import ConfigError, MetadataError, RunError
+from ..jsonio import read_json
 from ..reader import Reader
+from ..run_guard import check_links
 from .infer import load_patch_acts
 
 if TYPE_CHECKING:
@@ -344,13 +345,17 @@ def visuals_run(run: "Run", shard_hash: str | None = None, cfg: VisualsConfig | 
     from tqdm.auto import tqdm
 
     cfg = cfg or VisualsConfig()
+    run_cfg = run.read_config()
+    check_links(run, run_cfg)
     shard_hash = pick_shard_hash(run, shard_hash)
     inf = run.inference_dir(shard_hash)
-    inf_cfg = json.loads((inf / "config.json").read_text(encoding="utf-8"))
-    metrics = json.loads((inf / "metrics.json").read_text(encoding="utf-8"))
-    run_cfg = run.read_config()
+    inf_cfg = read_json(inf / "config.json")
+    metrics = read_json(inf / "metrics.json")
+    t = inf_cfg.get("tokens_per_example") if isinstance(inf_cfg, dict) else None
+    if not isinstance(t, int) or isinstance(t, bool) or t < 1 or not isinstance(metrics, dict):
+        raise MetadataError("not an actlake inference config (tokens_per_example must be a positive integer)",
+                            inf / "config.json")
     acts = load_patch_acts(inf)
-    t = int(inf_cfg["tokens_per_example"])
     if acts.shape[0] % t:
         raise RunError(f"patch_acts.npz has {acts.shape[0]} rows, not a multiple of {t}", inf / "patch_acts.npz")
     stats = latent_stats(acts)
