@@ -24,25 +24,43 @@ from typing import Any
 from .errors import MetadataError, RunError
 from .hashing import file_sha256
 
-ENV_SCRATCH = "ACTLAKE_SCRATCH"
-ENV_NFS = "ACTLAKE_NFS"
+#: the storage spec's variables; each wins over its ACTLAKE_* alias when both are set (non-empty)
+ENV_SCRATCH = "SAEV_SCRATCH"
+ENV_NFS = "SAEV_NFS"
+#: actlake's earlier names for the same two bases, still honoured (same meaning, `saev/` level included)
+ALIAS_SCRATCH = "ACTLAKE_SCRATCH"
+ALIAS_NFS = "ACTLAKE_NFS"
+#: the base when neither variable is set (relative: resolved against the working directory)
 DEFAULT_BASE = Path("actlake-data")
+#: the spec's level under each base; upstream saev asserts `.../saev/shards/<hash>` and `.../saev/runs/<id>`
+SAEV_DIR = "saev"
 LINK_NAMES = ("train-shards", "train-dataset", "val-shards", "val-dataset")
 #: the spec's resolution example names `links/shards` and `links/dataset`; read as aliases
 LEGACY_LINKS = {"train-shards": "shards", "train-dataset": "dataset"}
 RUN_CONFIG_FORMAT = "actlake-run/1"
 
 
+def _base(name: str, alias: str) -> Path:
+    """The base directory one of the spec's variables names: `$name`, else `$alias`, else DEFAULT_BASE
+    (an empty value counts as unset)."""
+    for var in (name, alias):
+        value = os.environ.get(var)
+        if value:
+            return Path(value).expanduser()
+    return DEFAULT_BASE
+
+
 def shards_root() -> Path:
-    """Where activation directories live: $ACTLAKE_SCRATCH/shards (default ./actlake-data/shards)."""
-    base = os.environ.get(ENV_SCRATCH)
-    return (Path(base) if base else DEFAULT_BASE) / "shards"
+    """Where activation directories live: `$SAEV_SCRATCH/saev/shards` (storage spec; `$ACTLAKE_SCRATCH` is an
+    alias that SAEV_SCRATCH overrides; default `./actlake-data/saev/shards`), so a directory written with
+    default settings sits at the `saev/shards/<hash>` path upstream saev asserts."""
+    return _base(ENV_SCRATCH, ALIAS_SCRATCH) / SAEV_DIR / "shards"
 
 
 def runs_root() -> Path:
-    """Where SAE runs live: $ACTLAKE_NFS/runs (default ./actlake-data/runs)."""
-    base = os.environ.get(ENV_NFS)
-    return (Path(base) if base else DEFAULT_BASE) / "runs"
+    """Where SAE runs live: `$SAEV_NFS/saev/runs` (`$ACTLAKE_NFS` an alias SAEV_NFS overrides; default
+    `./actlake-data/saev/runs`), the `saev/runs/<run_id>` path upstream saev's run directories assert."""
+    return _base(ENV_NFS, ALIAS_NFS) / SAEV_DIR / "runs"
 
 
 def new_run_id(payload: dict[str, Any]) -> str:
@@ -192,6 +210,9 @@ class Run:
             raise MetadataError(f"not valid UTF-8 JSON: {exc}", self.config_path) from exc
         if not isinstance(obj, dict) or obj.get("format") != RUN_CONFIG_FORMAT:
             raise MetadataError(f"not an {RUN_CONFIG_FORMAT} run config", self.config_path)
+        layer = obj.get("layer")
+        if not isinstance(layer, int) or isinstance(layer, bool):
+            raise MetadataError(f"field 'layer' must be an integer, got {layer!r}", self.config_path)
         return obj
 
     def inference_hashes(self) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -52,20 +53,63 @@ def text_shards(root: Path, seed: int, *, n: int = 30, t: int = 12, d: int = 16,
     return write_shards(root, acts, layers=(1, 3), lengths=lengths, texts=texts, dataset=dataset)
 
 
+ROOT_VARS = ("SAEV_SCRATCH", "SAEV_NFS", "ACTLAKE_SCRATCH", "ACTLAKE_NFS")
+
+
 @pytest.fixture
 def roots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.delenv("SAEV_SCRATCH", raising=False)  # it would win over the alias
+    monkeypatch.delenv("SAEV_NFS", raising=False)
     monkeypatch.setenv("ACTLAKE_SCRATCH", str(tmp_path / "scratch"))
     monkeypatch.setenv("ACTLAKE_NFS", str(tmp_path / "nfs"))
     return tmp_path
 
 
 def test_roots_from_environment(roots: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert shards_root() == roots / "scratch" / "shards"
-    assert runs_root() == roots / "nfs" / "runs"
-    monkeypatch.delenv("ACTLAKE_SCRATCH")
-    monkeypatch.delenv("ACTLAKE_NFS")
-    assert shards_root() == Path("actlake-data/shards")
-    assert runs_root() == Path("actlake-data/runs")
+    """The storage spec's `$SAEV_SCRATCH/saev/shards` and `$SAEV_NFS/saev/runs`; ACTLAKE_* are aliases SAEV_* beat."""
+    assert shards_root() == roots / "scratch" / "saev" / "shards"  # the alias alone
+    assert runs_root() == roots / "nfs" / "saev" / "runs"
+    monkeypatch.setenv("SAEV_SCRATCH", str(roots / "spec-scratch"))
+    monkeypatch.setenv("SAEV_NFS", str(roots / "spec-nfs"))
+    assert shards_root() == roots / "spec-scratch" / "saev" / "shards"  # both set: SAEV_* wins
+    assert runs_root() == roots / "spec-nfs" / "saev" / "runs"
+    for var in ROOT_VARS:
+        monkeypatch.setenv(var, "")  # empty counts as unset
+    assert shards_root() == Path("actlake-data/saev/shards")
+    assert runs_root() == Path("actlake-data/saev/runs")
+    for var in ROOT_VARS:
+        monkeypatch.delenv(var)
+    assert shards_root() == Path("actlake-data/saev/shards")
+    assert runs_root() == Path("actlake-data/saev/runs")
+
+
+def test_default_extract_lands_where_upstream_looks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`actlake extract --format saev` with default settings (no variables, cwd = tmp_path) publishes
+    `./actlake-data/saev/shards/<hash>`, the `saev/shards/<hash>` path upstream saev asserts, and its last shard
+    has the full size of the spec's sizing maths."""
+    for var in ROOT_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "texts.txt"
+    data.write_text("\n".join(f"{' '.join(WORDS[: 3 + i % 9])} number {i}" for i in range(7)) + "\n", encoding="utf-8")
+    assert main(["extract", "--model", "tiny-random:bert", "--data", str(data), "--layers", "0", "--format", "saev",
+                 "--max-seq-len", "16", "--device", "cpu", "--no-progress", "--option", "patches_per_shard=48"]) == 0
+    found = [p for p in (tmp_path / "actlake-data" / "saev" / "shards").iterdir() if not p.name.startswith(".")]
+    assert len(found) == 1
+    out = found[0]
+    assert out.parts[-3:-1] == ("saev", "shards")  # upstream's is_shards_dir
+    md = json.loads((out / "metadata.json").read_text())
+    canonical = json.dumps(md, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    assert out.name == hashlib.sha256(canonical).hexdigest()
+    tokens_per_ex = md["patches_per_ex"] + (1 if md["cls_token"] else 0)
+    examples_per_shard = md["patches_per_shard"] // (tokens_per_ex * len(md["layers"]))
+    assert md["n_examples"] == 7 and examples_per_shard == 3
+    shards = json.loads((out / "shards.json").read_text())
+    assert [s["n_examples"] for s in shards] == [3, 3, 1]
+    example_bytes = len(md["layers"]) * tokens_per_ex * md["d_model"] * 4
+    for s in shards:
+        assert os.stat(out / s["name"]).st_size == examples_per_shard * example_bytes
+    assert (out / "labels.bin").is_file()
 
 
 def test_run_id_and_argument_resolution(roots: Path, monkeypatch: pytest.MonkeyPatch) -> None:
