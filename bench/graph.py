@@ -95,6 +95,26 @@ def unchanged_reextraction_requests(settings, defs, instance) -> int:  # noqa: A
     return int(first.total_requested + second.total_requested)
 
 
+def new_checkpoint_requests(defs, instance) -> dict[str, int]:  # noqa: ANN001
+    """Add a checkpoint partition with a new weights version, then count what automation requests per asset."""
+    import dagster as dg
+
+    from actlake_dagster.assets.keys import MODEL_CHECKPOINT
+    from actlake_dagster.records import DATA_VERSION_TAG
+
+    first = dg.evaluate_automation_conditions(defs=defs, instance=instance)
+    instance.add_dynamic_partitions("checkpoints", ["bench-new-checkpoint"])
+    instance.report_runless_asset_event(dg.AssetObservation(MODEL_CHECKPOINT, partition="bench-new-checkpoint",
+                                                            tags={DATA_VERSION_TAG: "new-weights"}))
+    second = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=first.cursor)
+    out: dict[str, int] = {}
+    for key in defs.resolve_asset_graph().get_all_asset_keys():
+        n = len(second.get_requested_partitions(key))
+        if n:
+            out[key.to_user_string()] = n
+    return out
+
+
 def sensor_tick_seconds(root: Path, size: int) -> tuple[float, float]:
     """(first tick, second tick) of the checkpoint sensor's work on a checkpoint of `size` bytes."""
     from actlake_dagster.automation import checkpoint_events
@@ -138,11 +158,14 @@ def main() -> None:
         print(f"  through Dagster:  {dag:.1f} s   ratio {dag / lib:.2f}x (target <= 1.3)")
         requested = unchanged_reextraction_requests(settings, defs, instance)
         print(f"  runs requested after an unchanged re-extraction: {requested} (target 0)")
+        fresh = new_checkpoint_requests(defs, instance)
+        print(f"  a new checkpoint requests: {fresh} (target: one machine_slices per machine, nothing else yet)")
         first, second = sensor_tick_seconds(root / "sensor", checkpoint_bytes)
         print(f"  sensor tick on an unchanged {checkpoint_bytes >> 20} MiB checkpoint: {second * 1e3:.1f} ms "
               f"(first tick, hashing it: {first:.2f} s; target < 0.1 s)")
     print(json.dumps({"bench": "graph", "library_s": round(lib, 2), "dagster_s": round(dag, 2),
                       "ratio": round(dag / lib, 3), "requested_after_unchanged": requested,
+                      "requested_for_new_checkpoint": fresh,
                       "sensor_tick_unchanged_s": round(second, 4), "sensor_tick_first_s": round(first, 3),
                       "checkpoint_mib": checkpoint_bytes >> 20, "quick": args.quick}))
 

@@ -298,11 +298,13 @@ def test_demo_runs_the_graph_and_prints_lineage_that_matches_the_disk(
     assert (home / "dagster" / "dagster.yaml").is_file()
     assert len(re.findall(r"^\[ ?\d+/6\] ", out, flags=re.M)) == 6  # one progress line per Dagster run
     run_id = re.search(r"lineage (minilm-l4-[0-9a-f]{12})", out).group(1)  # type: ignore[union-attr]
-    run = home / "runs" / run_id
+    from actlake.runs import runs_root, shards_root
+
+    run = (tmp_path / runs_root()) / run_id  # the default roots: ./actlake-data/saev/{runs,shards}
     assert file_sha256(run / "checkpoint" / "sae.pt") in out
     for link in ("train-shards", "val-shards"):
         target = (run / "links" / link).resolve()
-        assert target.parent == (home / "shards").resolve() and target.name in out
+        assert target.parent == (tmp_path / shards_root()).resolve() and target.name in out
         assert (target / "labels.bin").is_file()
     assert weights_sha256(minilm_dir())[0] in out
     assert (run / "links" / "train-dataset").resolve().is_dir()
