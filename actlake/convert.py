@@ -94,9 +94,9 @@ def spec_for(reader: Reader, to_format: str, options: Mapping[str, Any] | None =
     family = str(_source_fact(reader, "family", "unknown") or "unknown")
     dataset = str(prov.get("dataset") or "")
     if to_format == "saev":
-        from .formats.saev import KNOWN_FAMILIES
+        from .formats.saev import ACCEPTED_FAMILIES
 
-        if family not in KNOWN_FAMILIES:
+        if family not in ACCEPTED_FAMILIES:
             family = "text"  # saev's catch-all family for language models (docs/formats/saev.md)
         if dataset and not os.path.isabs(dataset) and ":" not in dataset:
             dataset = ""

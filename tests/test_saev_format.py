@@ -380,3 +380,58 @@ def test_second_concurrent_writer_is_refused(tmp_path: Path) -> None:
     second.write_batch(Batch(np.zeros((2, 1, 2, 2), np.float32), np.full(2, 2), np.arange(2)))
     assert second.close().is_dir()
     assert not list(tmp_path.glob(".tmp-*"))
+
+
+# ---- upstream flavour ----------------------------------------------------------------------
+
+UPSTREAM_FIELDS = ["family", "ckpt", "layers", "content_tokens_per_example", "cls_token", "d_model", "n_examples",
+                   "max_tokens_per_shard", "data", "dataset", "pixel_agg", "dtype", "protocol"]
+
+
+def test_convert_to_upstream_flavor(tmp_path: Path, rng: np.random.Generator, capsys: pytest.CaptureFixture) -> None:
+    """`convert --to saev --option flavor=upstream` writes what upstream saev's current loader takes, no shim:
+    its field names and order, a family of its own, full-size shards, under `saev/shards/<hash of metadata>`."""
+    from actlake.cli import main
+
+    acts = _acts(rng, 5, 2, 4, 3)  # CLS + 3 patches
+    src = write_saev(tmp_path / "src", acts, layers=(2, 5), cls_token=True, family="clip", patches_per_shard=4 * 2 * 2)
+    root = tmp_path / "saev" / "shards"
+    assert main(["convert", str(src), "--to", "saev", "--out", str(root), "--option", "flavor=upstream",
+                 "--option", "patches_per_shard=16"]) == 0
+    out = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out.parent == root and out.parts[-3:-1] == ("saev", "shards")  # upstream's is_shards_dir
+
+    md = json.loads((out / "metadata.json").read_text())
+    assert list(md) == UPSTREAM_FIELDS  # exactly upstream's fields: its loader calls Metadata(**json)
+    assert md["family"] in ("clip", "siglip", "dinov2", "dinov3", "fake-clip")  # its Literal
+    assert md["content_tokens_per_example"] == 3 and md["cls_token"] is True and md["layers"] == [2, 5]
+    assert md["max_tokens_per_shard"] == 16 and md["pixel_agg"] is None and md["protocol"] == "2.1"
+    assert md["dtype"] == "float32" and isinstance(md["data"], str) and md["d_model"] == 3 and md["n_examples"] == 5
+    canonical = json.dumps(md, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    assert out.name == hashlib.sha256(canonical).hexdigest()  # the hash of the metadata as written
+
+    shards = json.loads((out / "shards.json").read_text())
+    assert shards == [{"name": "acts000000.bin", "n_examples": 2}, {"name": "acts000001.bin", "n_examples": 2},
+                      {"name": "acts000002.bin", "n_examples": 1}]
+    tokens_per_example = md["content_tokens_per_example"] + int(md["cls_token"])
+    examples_per_shard = md["max_tokens_per_shard"] // (tokens_per_example * len(md["layers"]))
+    shape = (examples_per_shard, len(md["layers"]), tokens_per_example, md["d_model"])
+    got = np.concatenate([np.memmap(out / s["name"], dtype=np.float32, mode="r", shape=shape)[: s["n_examples"]]
+                          for s in shards])  # upstream's full-shape memmap of every shard
+    assert np.array_equal(got, acts)
+    assert np.fromfile(out / "labels.bin", np.uint8).shape == (5 * 3,)
+    assert actlake.verify(out) == []
+    reader = actlake.open(out)  # reading takes both flavours
+    assert reader.metadata.flavor == "upstream" and reader.metadata.cls_token and reader.max_tokens == 4
+    assert np.array_equal(reader.batch(range(5)).acts_bltd, acts)
+
+    # a family upstream does not know is refused, naming the way out; family= declares one
+    text = write_saev(tmp_path / "text", _acts(rng, 2, 1, 3, 2), layers=(0,), family="gpt2")
+    assert main(["convert", str(text), "--to", "saev", "--out", str(root), "--option", "flavor=upstream"]) == 2
+    assert "family=NAME" in capsys.readouterr().err
+    assert main(["convert", str(text), "--to", "saev", "--out", str(root), "--option", "flavor=upstream",
+                 "--option", "family=fake-clip"]) == 0
+    declared = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    assert json.loads((declared / "metadata.json").read_text())["family"] == "fake-clip"
+    assert main(["convert", str(src), "--to", "saev", "--out", str(root), "--option", "flavor=newest"]) == 2
+    assert "flavor" in capsys.readouterr().err

@@ -29,6 +29,16 @@ IGNORE_LABEL = 255
 FIELD_ALIASES = {"content_tokens_per_example": "patches_per_ex", "max_tokens_per_shard": "patches_per_shard"}
 #: families written by actlake (vision per spec, text extensions documented in docs/formats/saev.md)
 KNOWN_FAMILIES = ("clip", "siglip", "dinov2", "vit", "bert", "gpt2", "llama", "qwen2", "text", "synthetic")
+#: the only `family` values upstream saev's loader accepts (a Literal in its Metadata)
+UPSTREAM_FAMILIES = ("clip", "siglip", "dinov2", "dinov3", "fake-clip")
+#: every family a directory may name: ours and upstream's
+ACCEPTED_FAMILIES = KNOWN_FAMILIES + tuple(f for f in UPSTREAM_FAMILIES if f not in KNOWN_FAMILIES)
+#: metadata.json flavours: "spec" = protocol 2.1 exactly; "upstream" = the field set upstream saev's current
+#: loader takes (renamed fields, `pixel_agg`), a documented deviation from 2.1 (docs/formats/saev.md)
+FLAVORS = ("spec", "upstream")
+#: upstream saev's metadata.json fields, in its dataclass order (its loader calls `Metadata(**json)`)
+UPSTREAM_FIELDS = ("family", "ckpt", "layers", "content_tokens_per_example", "cls_token", "d_model", "n_examples",
+                   "max_tokens_per_shard", "data", "dataset", "pixel_agg", "dtype", "protocol")
 
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "family": str,
@@ -94,6 +104,8 @@ class SaevMetadata:
     dtype: str = "float32"
     protocol: str = PROTOCOL
     extra: dict[str, Any] = field(default_factory=dict)  # unknown keys kept on read (e.g. pixel_agg)
+    #: which field names metadata.json uses: "spec" (2.1) or "upstream" (read: upstream names present)
+    flavor: str = "spec"
     #: the metadata.json object exactly as read (upstream field names included): what HASH is of
     on_disk: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
@@ -107,6 +119,8 @@ class SaevMetadata:
             raise ConfigError(f"d_model must be in 1..{MAX_DIM}, got {self.d_model}")
         if not 0 <= self.n_examples <= MAX_EXAMPLES:
             raise ConfigError(f"n_examples must be in 0..{MAX_EXAMPLES}, got {self.n_examples}")
+        if self.flavor not in FLAVORS:
+            raise ConfigError(f"saev flavor must be one of {FLAVORS}, got {self.flavor!r}")
         if self.dtype != "float32":
             raise ConfigError(f"saev protocol 2.1 stores float32 only, got dtype {self.dtype!r}")
         if self.examples_per_shard < 1:
@@ -143,15 +157,19 @@ class SaevMetadata:
         return self.examples_per_shard * self.example_bytes
 
     def to_json(self) -> dict[str, Any]:
-        """The `metadata.json` object (exactly the spec's fields, plus any extras read)."""
-        out = dict(self.extra)
-        out.update(
+        """The `metadata.json` object: the spec's twelve fields (flavor "spec") or upstream's thirteen in its
+        order (flavor "upstream": renamed fields, `pixel_agg` from `extra`, else null), plus any extras read."""
+        core: dict[str, Any] = dict(
             family=self.family, ckpt=self.ckpt, layers=list(self.layers), patches_per_ex=self.patches_per_ex,
             cls_token=self.cls_token, d_model=self.d_model, n_examples=self.n_examples,
             patches_per_shard=self.patches_per_shard, data=self.data, dataset=self.dataset,
             dtype=self.dtype, protocol=self.protocol,
         )
-        return out
+        if self.flavor == "upstream":
+            upstream_name = {name: alias for alias, name in FIELD_ALIASES.items()}
+            renamed = {upstream_name.get(k, k): v for k, v in core.items()}
+            core = {k: renamed[k] if k in renamed else self.extra.get(k) for k in UPSTREAM_FIELDS}
+        return {**core, **{k: v for k, v in self.extra.items() if k not in core}}
 
     @property
     def hash(self) -> str:
@@ -188,8 +206,9 @@ class SaevMetadata:
             raise MetadataError("field 'layers' must be a list of integers", source)
         check_protocol(obj["protocol"], source)
         extra = {k: v for k, v in obj.items() if k not in _FIELD_TYPES}
+        flavor = "upstream" if any(alias in raw for alias in FIELD_ALIASES) else "spec"
         try:
-            return cls(**{k: obj[k] for k in _FIELD_TYPES}, extra=extra, on_disk=raw)
+            return cls(**{k: obj[k] for k in _FIELD_TYPES}, extra=extra, flavor=flavor, on_disk=raw)
         except ConfigError as exc:
             raise MetadataError(exc.problem, source) from exc
 
@@ -207,12 +226,24 @@ def check_protocol(protocol: str, source: Path | None) -> None:
 
 
 def metadata_from_spec(spec: StoreSpec) -> SaevMetadata:
-    """saev metadata for a StoreSpec (the token axis is `max_tokens`, CLS included)."""
+    """saev metadata for a StoreSpec (the token axis is `max_tokens`, CLS included).
+
+    Options: `patches_per_shard`; `flavor` ("spec", default, or "upstream": field names upstream saev's
+    loader takes); `family` (replaces the spec's family, e.g. to name one of upstream's for flavor=upstream).
+    """
     if spec.dtype != "float32":
         raise ConfigError(f"saev stores float32 (spec section 2.1), not {spec.dtype}")
+    flavor = str(spec.options.get("flavor", "spec"))
+    family = str(spec.options.get("family", spec.family))
+    if flavor == "upstream" and family not in UPSTREAM_FAMILIES:
+        raise ConfigError(
+            f"flavor=upstream: family {family!r} is not one upstream saev accepts {UPSTREAM_FAMILIES}; "
+            "name one with the option family=NAME")
+    if "family" in spec.options and family not in ACCEPTED_FAMILIES:
+        raise ConfigError(f"option family={family!r} is not one of {ACCEPTED_FAMILIES}")
     patches = spec.max_tokens - (1 if spec.cls_token else 0)
     return SaevMetadata(
-        family=spec.family,
+        family=family,
         ckpt=spec.model_name,
         layers=spec.layers,
         patches_per_ex=patches,
@@ -222,5 +253,5 @@ def metadata_from_spec(spec: StoreSpec) -> SaevMetadata:
         patches_per_shard=int(spec.options.get("patches_per_shard", DEFAULT_PATCHES_PER_SHARD)),
         data=encode_data(spec.data),
         dataset=spec.dataset,
+        flavor=flavor,
     )
-

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import FormatError, HashMismatchError
-from .metadata import KNOWN_FAMILIES, shard_name
+from .metadata import ACCEPTED_FAMILIES, shard_name
 from .reader import SaevReader, expected_shard_size, read_metadata, read_shards_json
 
 
@@ -21,8 +21,8 @@ def verify(path: Path, *, check_values: bool = True) -> list[str]:
         return [str(exc)]
     if path.name != md.hash:
         problems.append(str(HashMismatchError(f"directory name is not the metadata hash {md.hash}", path)))
-    if md.family not in KNOWN_FAMILIES:
-        problems.append(f"{path / 'metadata.json'}: family {md.family!r} is not one of {KNOWN_FAMILIES}")
+    if md.family not in ACCEPTED_FAMILIES:
+        problems.append(f"{path / 'metadata.json'}: family {md.family!r} is not one of {ACCEPTED_FAMILIES}")
     if md.dataset and not os.path.isabs(md.dataset) and ":" not in md.dataset:
         problems.append(f"{path / 'metadata.json'}: dataset {md.dataset!r} is not an absolute path")
     try:
