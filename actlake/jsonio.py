@@ -3,25 +3,39 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
-from .errors import MetadataError, MissingFileError
+from .errors import FormatError, MetadataError, MissingFileError
 
 
 #: no metadata file actlake reads is anywhere near this; a bigger one is refused before it is read
 MAX_JSON_BYTES = 256 * 2**20
 
 
-def _bounded_text(path: Path, max_bytes: int) -> str:
+def parse_json(data: bytes | str, source: Path, what: str = "") -> Any:
+    """Parsed JSON of bytes or text read from `source`; MetadataError naming the file (and `what` in it)
+    when it is not UTF-8, not JSON, or nested too deeply to parse."""
+    where = f"{what} " if what else ""
+    try:
+        return json.loads(data.decode("utf-8") if isinstance(data, bytes) else data)
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise MetadataError(f"{where}is not valid UTF-8 JSON: {str(exc)[:200]}", source) from None
+    except RecursionError:
+        raise MetadataError(f"{where}is JSON nested too deeply to parse", source) from None
+
+
+def read_jsonl(path: Path, *, max_bytes: int = MAX_JSON_BYTES) -> list[Any]:
+    """One parsed value per line of a UTF-8 JSON-lines file (typed errors name the file and line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise MissingFileError(f"required file {path.name} is missing", path)
     size = path.stat().st_size
     if size > max_bytes:
-        raise MetadataError(f"{size} bytes is more than a metadata file may hold ({max_bytes}); refused unread", path)
+        raise MetadataError(f"{size} bytes is more than a JSON-lines file may hold ({max_bytes})", path)
     with open(path, "rb") as f:
-        data = f.read(max_bytes + 1)  # the file may grow between stat and read
-    if len(data) > max_bytes:
-        raise MetadataError(f"more than {max_bytes} bytes; refused", path)
-    return data.decode("utf-8")
+        return [parse_json(line, path, f"line {n}") for n, line in enumerate(f.read(max_bytes + 1).splitlines(), 1)]
 
 
 def read_json(path: Path, *, max_bytes: int = MAX_JSON_BYTES) -> Any:
@@ -30,18 +44,21 @@ def read_json(path: Path, *, max_bytes: int = MAX_JSON_BYTES) -> Any:
     path = Path(path)
     if not path.is_file():
         raise MissingFileError(f"required file {path.name} is missing", path)
-    try:
-        return json.loads(_bounded_text(path, max_bytes))
-    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
-        raise MetadataError(f"not valid UTF-8 JSON: {str(exc)[:200]}", path) from exc
-    except RecursionError:
-        raise MetadataError("JSON nested too deeply to parse", path) from None
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise MetadataError(f"{size} bytes is more than a metadata file may hold ({max_bytes}); refused unread",
+                                path)
+        data = f.read(max_bytes + 1)  # the file may grow between fstat and read
+    if len(data) > max_bytes:
+        raise MetadataError(f"more than {max_bytes} bytes; refused", path)
+    return parse_json(data, path)
 
 
 def peek_json(path: Path, *, max_bytes: int = MAX_JSON_BYTES) -> Any | None:
     """Parsed JSON of `path` for format detection: None when it is absent, unreadable, too large or too
     deep (never raises)."""
     try:
-        return json.loads(_bounded_text(Path(path), max_bytes))
-    except (ValueError, UnicodeDecodeError, OSError, RecursionError, MetadataError):
+        return read_json(Path(path), max_bytes=max_bytes)
+    except (OSError, FormatError):
         return None

@@ -23,6 +23,7 @@ from typing import Any
 
 from .errors import MetadataError, RunError
 from .hashing import file_sha256
+from .jsonio import read_json
 
 #: the storage spec's variables; each wins over its ACTLAKE_* alias when both are set (non-empty)
 ENV_SCRATCH = "SAEV_SCRATCH"
@@ -204,10 +205,7 @@ class Run:
         if not self.config_path.is_file():
             raise RunError("run has no checkpoint/config.json (train it first with `actlake train --run`)",
                            self.config_path)
-        try:
-            obj = json.loads(self.config_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise MetadataError(f"not valid UTF-8 JSON: {exc}", self.config_path) from exc
+        obj = read_json(self.config_path)
         if not isinstance(obj, dict) or obj.get("format") != RUN_CONFIG_FORMAT:
             raise MetadataError(f"not an {RUN_CONFIG_FORMAT} run config", self.config_path)
         layer = obj.get("layer")

@@ -10,7 +10,6 @@ every sample.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import sys
 import zipfile
@@ -27,6 +26,7 @@ from ..errors import ConfigError, RunError
 from ..reader import Reader
 from .model import SparseAutoencoder, load_sae
 from .train import resolve_device
+from ..jsonio import peek_json
 
 if TYPE_CHECKING:
     from ..runs import Run
@@ -192,10 +192,7 @@ def _infer_locked(run: "Run", cfg: dict[str, Any], shards: str | Path | None, *,
     out = run.inference_dir(shard_hash)
     ckpt_sha = file_sha256(run.sae_path)
     if (out / "patch_acts.npz").is_file() and (out / "config.json").is_file() and not overwrite:
-        try:
-            old = json.loads((out / "config.json").read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            old = {}
+        old = peek_json(out / "config.json")
         old = old if isinstance(old, dict) else {}
         if old.get("checkpoint_sha256") == ckpt_sha and _dump_is_whole(out, old):
             return out

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from actlake.errors import (
 )
 from actlake.formats.lmprobe.descriptors import HiddenDescriptor, LogitsDescriptor
 from actlake.formats.lmprobe.layout import ACTLAKE_META_KEY, CORE_COLUMNS
+from actlake.jsonio import parse_json
 
 REQUIRED_INFO: dict[str, type] = {
     "format_version": str, "model": dict, "num_prompts": int, "prompt_ordering": str, "tensors": dict,
@@ -40,10 +40,7 @@ def read_index_metadata(index_path: Path) -> tuple[dict[str, Any], dict[str, Any
     for k, v in (schema.metadata or {}).items():
         key = k.decode("utf-8", "replace")
         if key.startswith("lmprobe:") or k == ACTLAKE_META_KEY:
-            try:
-                value = json.loads(v.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise MetadataError(f"schema metadata {key!r} is not valid JSON: {exc}", index_path) from None
+            value = parse_json(v, index_path, f"schema metadata {key!r}")
             if k == ACTLAKE_META_KEY:
                 ours = value if isinstance(value, dict) else {}
             else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,17 +67,46 @@ def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+#: what a placeholder's format spec may say: an optional fill/align and zero flag, a width up to MAX_PATTERN_WIDTH, `d`
+_SPEC_RE = re.compile(r"^(?:0?>|0)?(\d{1,3})?d?$")
+MAX_PATTERN_WIDTH = 32
+MAX_PATTERN_LEN = 1024
+MAX_NAME_LEN = 255  # one path component on every filesystem actlake writes to
+
+
 def check_pattern(pattern: Any, fields: tuple[str, ...], name: str, source: Path | None = None) -> str:
-    """A format pattern that formats with exactly the named integer fields (else a typed error)."""
+    """A format pattern with only the documented placeholders (`{layer}`, `{shard}`) and plain widths up to
+    MAX_PATTERN_WIDTH, whose formatted path components stay under MAX_NAME_LEN (else a typed error).
+
+    The pattern is parsed before it is ever formatted, so a hostile width (`{layer:0>1500000000}`)
+    is refused at once instead of allocating gigabytes."""
     error = ConfigError if source is None else MetadataError
     if not isinstance(pattern, str) or not pattern:
         raise error(f"{name} must be a non-empty string, got {pattern!r}", source)
+    if len(pattern) > MAX_PATTERN_LEN:
+        raise error(f"{name} is {len(pattern)} characters long (at most {MAX_PATTERN_LEN})", source)
+    try:
+        parts = list(string.Formatter().parse(pattern))
+    except ValueError as exc:
+        raise error(f"{name} {pattern[:80]!r} is not a format pattern: {exc}", source) from None
+    for _, field, spec, conversion in parts:
+        if field is None:
+            continue
+        if field not in fields or conversion is not None:
+            raise error(f"{name} {pattern[:80]!r} may only use the placeholders {list(fields)} without conversions",
+                        source)
+        m = _SPEC_RE.match(spec or "")
+        if m is None or int(m.group(1) or 0) > MAX_PATTERN_WIDTH:
+            raise error(f"{name} {pattern[:80]!r}: placeholder {{{field}:{spec[:20]}}} may only give a width "
+                        f"up to {MAX_PATTERN_WIDTH}", source)
     try:
         out = pattern.format(**{f: 0 for f in fields})
     except (KeyError, IndexError, ValueError, AttributeError, TypeError) as exc:
         raise error(f"{name} {pattern!r} does not format with {fields}: {exc!r}", source) from None
     if not out:
         raise error(f"{name} {pattern!r} formats to an empty string", source)
+    if any(len(part) > MAX_NAME_LEN for part in out.split("/")):
+        raise error(f"{name} {pattern[:80]!r} gives a file name over {MAX_NAME_LEN} characters", source)
     return pattern
 
 

@@ -19,6 +19,7 @@ from actlake.errors import (
     TruncatedFileError,
 )
 from actlake.formats.lmprobe.layout import MAX_HEADER_BYTES, ST_NUMPY
+from actlake.jsonio import parse_json
 
 
 def _round8(n: int) -> int:
@@ -150,10 +151,7 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
             raise TruncatedFileError(f"header length {header_len} does not fit in the file ({size} bytes)", path)
         raw = f.read(header_len)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"safetensors header is not UTF-8 JSON: {exc}", path) from None
+    header = parse_json(raw, path, "the safetensors header")
     if not isinstance(header, dict):
         raise FormatError("safetensors header is not a JSON object", path)
     data_start = 8 + header_len

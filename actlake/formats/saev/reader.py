@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +9,7 @@ import numpy as np
 
 from ...batch import Batch
 from ...errors import FormatError, MetadataError, MissingFileError, TruncatedFileError
-from ...jsonio import peek_json, read_json
+from ...jsonio import peek_json, read_json, read_jsonl
 from ...reader import Reader, TokenSegment
 from .metadata import FORMAT, IGNORE_LABEL, SaevMetadata, shard_name
 
@@ -137,13 +136,7 @@ class SaevReader(Reader):
             f = self.path / "samples.jsonl"
             if not f.exists():
                 return None
-            rows = []
-            with open(f, encoding="utf-8") as fh:
-                for lineno, line in enumerate(fh, 1):
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as exc:
-                        raise MetadataError(f"line {lineno} is not JSON: {exc}", f) from exc
+            rows = read_jsonl(f)
             if len(rows) != self.n_samples:
                 raise MetadataError(f"{len(rows)} lines, expected {self.n_samples}", f)
             self._samples_meta = rows

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ...errors import MissingFileError
@@ -10,6 +9,7 @@ from .base import ZarrReaderBase
 from .layout import MANIFEST_FORMAT, MANIFEST_NAME, SHARD_RE, SHARDS_DIR, STORE_NAME
 from .manifest import ZarrManifestReader
 from .reader import ZarrReader
+from ...jsonio import peek_json
 
 
 def store_dir(path: Path) -> Path | None:
@@ -32,11 +32,10 @@ def detect(path: Path) -> bool:
         return False
     manifest = path / MANIFEST_NAME
     if manifest.is_file():
-        try:
-            obj = json.loads(manifest.read_text(encoding="utf-8"))
-            return isinstance(obj, dict) and obj.get("format") == MANIFEST_FORMAT
-        except (ValueError, UnicodeDecodeError, OSError):
+        obj = peek_json(manifest)
+        if obj is None:
             return (path / SHARDS_DIR).is_dir()
+        return isinstance(obj, dict) and obj.get("format") == MANIFEST_FORMAT
     if (path / SHARDS_DIR).is_dir() and any(SHARD_RE.match(p.name) for p in (path / SHARDS_DIR).iterdir()):
         return True
     return store_dir(path) is not None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from .base import ReadTask, ZarrReaderBase, read_threads_for
 from .chunks import ChunkFiles, FdCache
 from .layout import ACT_ARRAYS, META_ARRAYS, NATIVE_F16, REQUIRED_META, zarr_module
 from .meta import ArrayMeta, StoreMeta
+from ...jsonio import read_jsonl
 
 #: coordinates one zarr-API gather builds at most (each is int64 per dimension)
 API_COORDS = 1 << 20
@@ -211,16 +211,10 @@ class ZarrReader(ZarrReaderBase):
     def _load_jsonl(self, f: Path) -> list[dict[str, Any]] | None:
         if not f.exists():
             return None
-        rows = []
-        with open(f, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh):
-                try:
-                    row = json.loads(line)
-                except ValueError as exc:
-                    raise MetadataError(f"line {lineno + 1} is not JSON: {exc}", f) from exc
-                if not isinstance(row, dict) or row.get("i") != lineno:
-                    raise MetadataError(f"line {lineno + 1} is not an object with \"i\": {lineno}", f)
-                rows.append(row)
+        rows = read_jsonl(f)
+        for lineno, row in enumerate(rows):
+            if not isinstance(row, dict) or row.get("i") != lineno:
+                raise MetadataError(f"line {lineno + 1} is not an object with \"i\": {lineno}", f)
         if len(rows) != self.n_samples:
             raise MetadataError(f"{len(rows)} lines, expected {self.n_samples}", f)
         return rows
