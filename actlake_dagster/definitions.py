@@ -7,6 +7,7 @@ import dagster as dg
 from .assets import build_assets
 from .assets.keys import ACTIVATION_SHARDS, INFERENCE_DUMP, MACHINE_SLICES, SAE_CHECKPOINT, SAE_RUN
 from .automation import build_automation_sensor, build_checkpoint_sensor
+from .executors import ExecutorChoice, build_executor
 from .partitions import GraphPartitions
 from .resources import CheckpointsResource, DeviceResource, SAETrainingResource, StorageRootsResource
 from .settings import GraphSettings
@@ -22,8 +23,13 @@ def build_resources(settings: GraphSettings) -> dict[str, dg.ConfigurableResourc
     }
 
 
-def build_defs(settings: GraphSettings, resources: dict[str, object] | None = None) -> dg.Definitions:
-    """The whole code location for one set of settings (tests pass their own settings and resources)."""
+def build_defs(settings: GraphSettings, resources: dict[str, object] | None = None,
+               executor: dg.ExecutorDefinition | None = None) -> dg.Definitions:
+    """The whole code location for one set of settings (tests pass their own settings and resources).
+
+    `executor`: what runs the steps (None: Dagster's default multiprocess executor); the loaded code
+    location takes it from $ACTLAKE_EXECUTOR (docs/deploy.md).
+    """
     parts = GraphPartitions.from_settings(settings)
     assets = build_assets(settings, parts)
     jobs = [
@@ -39,7 +45,8 @@ def build_defs(settings: GraphSettings, resources: dict[str, object] | None = No
         jobs=jobs,
         sensors=[build_checkpoint_sensor(settings.automation), build_automation_sensor(settings.automation)],
         resources=resources if resources is not None else build_resources(settings),
+        executor=executor,
     )
 
 
-defs = build_defs(GraphSettings.from_env())
+defs = build_defs(GraphSettings.from_env(), executor=build_executor(ExecutorChoice.from_env()))

@@ -2,7 +2,7 @@
 # Debian packages the test suite drives for real: headless Chromium (the UI test screenshots the asset
 # graph). Installed with apt-get as root (or through sudo); a no-op where they are already present.
 set -euo pipefail
-packages=(chromium)
+packages=(chromium redis-server postgresql)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
