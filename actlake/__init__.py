@@ -8,6 +8,7 @@ from . import errors
 from .batch import Batch
 from .reader import Reader, TokenSegment
 from .spec import StoreSpec
+from .verification import VerifyReport
 from .writer import Writer
 
 __version__ = "0.1.0"
@@ -21,10 +22,19 @@ def open(path: str | Path, format: str | None = None) -> Reader:  # noqa: A001 -
 
 
 def verify(path: str | Path, format: str | None = None) -> list[str]:
-    """Every problem found checking a store against its spec (empty: valid)."""
+    """Every problem found checking a store against its spec (empty: valid). Warnings (what could not be
+    checked) are not in the list: they are issued as `actlake.verification.VerifyWarning`s."""
     from .formats import verify_store
 
     return verify_store(path, format)
 
 
-__all__ = ["Batch", "Reader", "StoreSpec", "TokenSegment", "Writer", "errors", "open", "verify", "__version__"]
+def verify_report(path: str | Path, format: str | None = None) -> VerifyReport:
+    """Problems (the store fails its spec) and warnings (what could not be checked) of a store, apart."""
+    from .formats import verify_report as report
+
+    return report(path, format)
+
+
+__all__ = ["Batch", "Reader", "StoreSpec", "TokenSegment", "VerifyReport", "Writer", "errors", "open", "verify",
+           "verify_report", "__version__"]

@@ -84,3 +84,52 @@ def safe_load(file: IO[bytes], *, source: str | Path | None = None) -> Any:
 def safe_loads(data: bytes, *, source: str | Path | None = None) -> Any:
     """Load one pickle from bytes with the restricted unpickler."""
     return safe_load(io.BytesIO(data), source=source)
+
+
+#: modules whose callables run code or touch the system when a pickle names them
+CODE_RUNNING_MODULES = frozenset({
+    "os", "posix", "nt", "subprocess", "sys", "shutil", "importlib", "runpy", "code", "codeop", "ctypes",
+    "socket", "pickle", "_pickle", "marshal", "types", "pty", "webbrowser", "multiprocessing", "signal",
+})
+#: builtins that run code, import modules or reach attributes when a pickle calls them
+CODE_RUNNING_BUILTINS = frozenset({
+    "eval", "exec", "compile", "__import__", "getattr", "setattr", "delattr", "open", "input", "breakpoint",
+    "globals", "locals", "vars", "memoryview",
+})
+
+
+def pickle_globals(data: bytes, *, source: str | Path | None = None) -> list[str]:
+    """The `module.name` globals a pickle refers to, read from its opcodes without executing anything.
+
+    For telling a pickled class the restricted unpickler refuses (e.g. a dataset class of another
+    tool) from a broken stream: UnsafePickleError when the stream does not parse to its STOP.
+    """
+    import pickletools
+
+    found: list[str] = []
+    strings: list[Any] = []  # recently pushed values, for STACK_GLOBAL's two string arguments
+    memo: dict[int, Any] = {}
+    try:
+        for opcode, arg, _ in pickletools.genops(data):
+            name = opcode.name
+            if name == "GLOBAL":
+                found.append(str(arg).replace(" ", ".", 1))
+            elif name == "STACK_GLOBAL":
+                module, attr = (strings[-2:] if len(strings) >= 2 else ["?", "?"])
+                found.append(f"{module}.{attr}")
+            if name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+                memo[len(memo) if name == "MEMOIZE" else int(arg)] = strings[-1] if strings else None
+            elif name in ("GET", "BINGET", "LONG_BINGET"):
+                strings.append(memo.get(int(arg)))
+            elif name not in ("FRAME", "PROTO"):
+                strings.append(arg if isinstance(arg, str) and name != "GLOBAL" else None)
+    except Exception as exc:  # truncated or corrupt stream: ValueError from genops
+        raise UnsafePickleError(f"not a complete pickle: {type(exc).__name__}: {exc}", source) from exc
+    return found
+
+
+def runs_code(global_name: str) -> bool:
+    """Whether a pickled global (`module.name`) is a callable that runs code or touches the system."""
+    module, _, name = global_name.rpartition(".")
+    top = module.split(".", 1)[0]
+    return top in CODE_RUNNING_MODULES or (module in ("builtins", "__builtin__") and name in CODE_RUNNING_BUILTINS)

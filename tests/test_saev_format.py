@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 import os
 import pickle
 import stat
+import typing
 from pathlib import Path
 
 import numpy as np
@@ -435,3 +437,94 @@ def test_convert_to_upstream_flavor(tmp_path: Path, rng: np.random.Generator, ca
     assert json.loads((declared / "metadata.json").read_text())["family"] == "fake-clip"
     assert main(["convert", str(src), "--to", "saev", "--out", str(root), "--option", "flavor=newest"]) == 2
     assert "flavor" in capsys.readouterr().err
+
+
+# ---- verify on directories upstream saev wrote ---------------------------------------------
+
+
+@dataclasses.dataclass
+class UpstreamImageFolder:
+    """Stands for upstream saev's dataset config class, which its writer pickles into `data`."""
+
+    root: str
+    split: str = "train"
+    unpickled: typing.ClassVar[list[str]] = []
+
+    def __setstate__(self, state: dict) -> None:  # runs if anything ever unpickles `data`
+        UpstreamImageFolder.unpickled.append(state["root"])
+        self.__dict__.update(state)
+
+
+def upstream_dir(shards_root: Path, acts: np.ndarray, data: str, **changes: object) -> Path:
+    """A directory as upstream saev's own writer lays it out: its field names and order, `data` a pickle of its
+    dataset class, full-size zero-padded shards, named by 8 hex digits of sha256 of the field-ordered JSON."""
+    n, n_layers, t, d = acts.shape
+    md = {"family": "dinov2", "ckpt": "facebook/dinov2-small", "layers": [1, 3], "content_tokens_per_example": t - 1,
+          "cls_token": True, "d_model": d, "n_examples": n, "max_tokens_per_shard": 2 * n_layers * t, "data": data,
+          "dataset": "/data/images", "pixel_agg": None, "dtype": "float32", "protocol": "2.1", **changes}
+    out = shards_root / hashlib.sha256(json.dumps(md).encode("utf-8")).hexdigest()[:8]
+    out.mkdir(parents=True)
+    (out / "metadata.json").write_text(json.dumps(md, indent=2))
+    shards = [{"name": f"acts{i:06d}.bin", "n_examples": min(2, n - 2 * i)} for i in range(-(-n // 2))]
+    (out / "shards.json").write_text(json.dumps(shards, indent=2))
+    for i, s in enumerate(shards):
+        full = np.zeros((2, n_layers, t, d), np.float32)
+        full[: s["n_examples"]] = acts[2 * i : 2 * i + s["n_examples"]]
+        full.tofile(out / s["name"])
+    np.zeros((n, t - 1), np.uint8).tofile(out / "labels.bin")
+    return out
+
+
+def test_verify_upstream_written_directory_warns_not_fails(tmp_path: Path, rng: np.random.Generator) -> None:
+    """Upstream's pickled dataset class and 8-hex directory name are warnings naming what was not checked (the
+    pickle is never executed); verify passes and the CLI exits 0. Real problems in such a directory stay errors."""
+    from actlake.cli import main
+    from actlake.verification import VerifyWarning
+
+    acts = _acts(rng, 5, 2, 5, 3)
+    data = base64.b64encode(pickle.dumps(UpstreamImageFolder("/data/images"))).decode("utf8")
+    root = tmp_path / "saev" / "shards"
+    out = upstream_dir(root, acts, data)
+    assert len(out.name) == 8
+
+    report = actlake.verify_report(out)
+    assert report.ok and report.problems == () and len(report.warnings) == 2
+    data_warning = next(w for w in report.warnings if "'data'" in w)
+    assert "UpstreamImageFolder" in data_warning and "not checked" in data_warning
+    name_warning = next(w for w in report.warnings if "directory name" in w)
+    assert out.name in name_warning and "HASH" in name_warning and "not checked" in name_warning
+    with pytest.warns(VerifyWarning) as caught:
+        assert actlake.verify(out) == []  # warnings are not problems
+        assert main(["verify", str(out)]) == 0  # the CLI's exit code ignores them
+    assert {str(w.message) for w in caught} == set(report.warnings)
+    assert UpstreamImageFolder.unpickled == []  # verify never executed the pickle
+    assert np.array_equal(actlake.open(out).batch(range(5)).acts_bltd, acts)
+
+    def problems(shards_root: Path, **kwargs: object) -> list[str]:
+        with pytest.warns(VerifyWarning):  # the warnings that still apply
+            return actlake.verify(upstream_dir(shards_root, acts, **kwargs))  # type: ignore[arg-type]
+
+    wrong_name = tmp_path / "renamed" / "deadbeef"
+    wrong_name.parent.mkdir()
+    out.rename(wrong_name)
+    with pytest.warns(VerifyWarning):
+        found = actlake.verify(wrong_name)
+    assert len(found) == 1 and "neither the metadata hash" in found[0]
+    broken = problems(tmp_path / "broken", data=data[:-8])  # a pickle cut short
+    assert len(broken) == 1 and "'data'" in broken[0] and "not a complete pickle" in broken[0]
+
+    class RunsCode:
+        def __reduce__(self) -> tuple:
+            return (os.system, ("true",))
+
+    harmful = base64.b64encode(pickle.dumps(RunsCode())).decode("utf8")
+    found = problems(tmp_path / "harmful", data=harmful)
+    assert len(found) == 1 and "system" in found[0] and "runs code" in found[0]
+    nan = upstream_dir(tmp_path / "nan", acts, data)
+    x = np.fromfile(nan / "acts000001.bin", "<f4")
+    x[5] = np.nan
+    x.tofile(nan / "acts000001.bin")
+    with pytest.warns(VerifyWarning):
+        found = actlake.verify(nan)  # warnings do not stop the value checks
+    assert len(found) == 1 and "non-finite" in found[0]
+    assert UpstreamImageFolder.unpickled == []

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import warnings
 from pathlib import Path
 from types import ModuleType
 
 from ..errors import UnknownFormatError
 from ..reader import Reader
 from ..spec import StoreSpec
+from ..verification import VerifyReport, VerifyWarning
 from ..writer import Writer
 
 #: format name -> module implementing it (detect order: first match wins)
@@ -65,16 +67,30 @@ def open_store(path: str | Path, format: str | None = None) -> Reader:
     return format_module(name).open_reader(Path(path))
 
 
-def verify_store(path: str | Path, format: str | None = None) -> list[str]:
-    """Every problem found checking `path` against its spec (empty list: valid); a run of slices: each slice."""
+def verify_report(path: str | Path, format: str | None = None) -> VerifyReport:
+    """Problems and warnings found checking `path` against its spec; a run of slices: each slice."""
     from ..slices import run_format, slice_stores
 
     sliced = run_format(path)
     if sliced is not None and sliced != "zarr" and format in (None, sliced):
-        return [f"{store}: {problem}" for store in slice_stores(path)
-                for problem in format_module(sliced).verify(store)]
+        report = VerifyReport()
+        for store in slice_stores(path):
+            report += VerifyReport.from_findings(format_module(sliced).verify(store), prefix=f"{store}: ")
+        return report
     name = format or detect_format(path)
-    return format_module(name).verify(Path(path))
+    return VerifyReport.from_findings(format_module(name).verify(Path(path)))
+
+
+def verify_store(path: str | Path, format: str | None = None) -> list[str]:
+    """Every problem found checking `path` against its spec (empty list: valid).
+
+    Warnings (what could not be checked) are not problems: each is issued as a `VerifyWarning`
+    (Python's warnings, shown on stderr by default) so that callers of this list still see them.
+    """
+    report = verify_report(path, format)
+    for message in report.warnings:
+        warnings.warn(message, VerifyWarning, stacklevel=3)
+    return list(report.problems)
 
 
 def create_writer(format: str, out_root: str | Path, spec: StoreSpec) -> Writer:

@@ -87,6 +87,13 @@ def metadata_hash(metadata: dict[str, Any]) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
+def upstream_short_hashes(metadata: dict[str, Any]) -> set[str]:
+    """The 8-hex directory names upstream saev gives this metadata: the first 8 hex digits of sha256 of its
+    field-ordered JSON (keys in file order, not sorted; default or compact separators)."""
+    blobs = (json.dumps(metadata), json.dumps(metadata, separators=(",", ":")))
+    return {hashlib.sha256(b.encode("utf-8")).hexdigest()[:8] for b in blobs}
+
+
 @dataclass(frozen=True)
 class SaevMetadata:
     """The validated content of `metadata.json` (protocol 2.1 field names)."""
