@@ -81,6 +81,9 @@ class ZarrReader(ZarrReaderBase):
                 self._root = zarr_module().open_consolidated(str(self.path), mode="r", zarr_format=2)
             except (ValueError, KeyError, TypeError, OSError) as exc:
                 raise MetadataError(f"zarr could not open the store: {exc}", self.path / ".zmetadata") from exc
+            except RecursionError:  # zarr-python parses .zattrs / .zarray itself, with no depth cap
+                raise MetadataError("zarr metadata (.zattrs, .zgroup or .zarray) is JSON nested too deeply",
+                                    self.path) from None
             self._pid = os.getpid()
         return self._root
 
