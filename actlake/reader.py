@@ -88,6 +88,14 @@ class Reader(ABC):
         """Where the data came from (model, checkpoint hash, dataset, versions)."""
         return {}
 
+    @property
+    def cls_token(self) -> bool:
+        """Whether token 0 of every sample is a CLS token (vision models); False where the store records none.
+
+        Part of the protocol so conversion carries it through every format (a saev target splits
+        `max_tokens` into CLS + `patches_per_ex` with it)."""
+        return False
+
     # ---- addressing ----------------------------------------------------------------------
     def layer_index(self, layer: int) -> int:
         """Position of `layer` on the stored layer axis; raises if it is not stored."""

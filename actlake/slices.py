@@ -253,10 +253,11 @@ class SliceRunReader(Reader):
             raise
         first = self.slices[0]
         for store, r in zip(self.stores, self.slices):
-            if (r.layers, r.d_model, r.max_tokens, np.dtype(r.dtype)) != (
-                    first.layers, first.d_model, first.max_tokens, np.dtype(first.dtype)):
+            if (r.layers, r.d_model, r.max_tokens, np.dtype(r.dtype), r.cls_token) != (
+                    first.layers, first.d_model, first.max_tokens, np.dtype(first.dtype), first.cls_token):
                 raise MetadataError(f"slice has another shape (layers {list(r.layers)}, d_model {r.d_model}, "
-                                    f"max_tokens {r.max_tokens}, {np.dtype(r.dtype)}) than {self.stores[0]}", store)
+                                    f"max_tokens {r.max_tokens}, {np.dtype(r.dtype)}, cls_token {r.cls_token}) "
+                                    f"than {self.stores[0]}", store)
         self.layers, self.d_model, self.max_tokens, self.dtype = first.layers, first.d_model, first.max_tokens, first.dtype
         counts = np.array([r.n_samples for r in self.slices], dtype=np.int64)
         self.n_samples = int(counts.sum())
@@ -287,6 +288,11 @@ class SliceRunReader(Reader):
     @property
     def token_labels(self) -> np.ndarray | None:
         return self._column("token_labels")
+
+    @property
+    def cls_token(self) -> bool:
+        """The slices' `cls_token` (checked equal across slices on open)."""
+        return self.slices[0].cls_token
 
     @property
     def provenance(self) -> dict[str, Any]:
@@ -374,7 +380,7 @@ def run_spec(store: str | Path, fmt: str) -> Any:
         raise MetadataError(f"the slice's run spec is not a StoreSpec: {exc}", store) from exc
 
 
-def merge_run(run_dir: str | Path, out_root: str | Path, *, progress: bool = False) -> Path:
+def merge_run(run_dir: str | Path, out_root: str | Path, *, progress: bool = False, verify: bool = True) -> Path:
     """Publish the one store of a run's slices under `out_root` (saev: `out_root/<HASH>`); return its path.
 
     The store is exactly the one a 1-machine extraction of the same config publishes (same name and
@@ -420,7 +426,7 @@ def merge_run(run_dir: str | Path, out_root: str | Path, *, progress: bool = Fal
             raise
     finally:
         reader.close()
-    problems = verify_store(published, fmt)
+    problems = verify_store(published, fmt) if verify else []
     if problems:
         raise FormatError(f"merged store fails verification: {'; '.join(problems[:5])}", published)
     return published

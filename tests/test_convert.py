@@ -284,3 +284,33 @@ def test_cli_convert_then_verify(tmp_path: Path, source: dict, capsys: pytest.Ca
     assert cli_main(["convert", str(tmp_path / "missing"), "--to", "saev", "--out", str(tmp_path / "x")]) == 2
     assert cli_main(["convert", str(a), "--to", "saev", "--out", str(tmp_path / "x"), "--batch-mb", "0"]) == 2
     assert "--batch-mb" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("via, options", [("zarr", {}), ("lmprobe", {"storage": "full_sequence"}), ("pickle", {}),
+                                          ("lmprobe", {})], ids=["zarr", "lmprobe-full_sequence", "pickle", "lmprobe"])
+def test_cls_token_survives_every_format(tmp_path: Path, rng: np.random.Generator, via: str, options: dict) -> None:
+    """image saev (CLS + 16 patches) -> via -> saev keeps `cls_token: true, patches_per_ex: 16` (plain json); the
+    intermediate store records the flag in its own files. A pooled lmprobe row is the last token, never CLS."""
+    import pyarrow.parquet as pq
+
+    acts = rng.standard_normal((4, 2, 17, 6)).astype(np.float32)
+    src = write_saev(tmp_path / "src", acts, layers=(1, 2), cls_token=True, family="vit")
+    mid = convert(src, via, tmp_path / "mid", options)
+    if via == "zarr":
+        recorded = json.loads((mid / "activations.zarr" / ".zattrs").read_text())["cls_token"]
+        zmeta = json.loads((mid / "activations.zarr" / ".zmetadata").read_text())
+        assert zmeta["metadata"][".zattrs"]["cls_token"] is recorded
+    elif via == "pickle":
+        recorded = json.loads((mid / "metadata.json").read_text())["actlake"]["cls_token"]
+    else:
+        footer = pq.read_schema(next((mid / "index").glob("*.parquet"))).metadata
+        recorded = json.loads(footer[b"actlake"])["cls_token"]
+    assert recorded is True
+    back = convert(mid, "saev", tmp_path / "back")
+    md = json.loads((back / "metadata.json").read_text())
+    if pooled(via, options):
+        assert (md["cls_token"], md["patches_per_ex"]) == (False, 1)  # one stored row per sample: its last token
+        return
+    assert (md["cls_token"], md["patches_per_ex"]) == (True, 16)
+    shard = np.fromfile(back / "acts000000.bin", "<f4").reshape(-1, 2, 17, 6)
+    np.testing.assert_array_equal(shard[:4, :, 0], narrow(acts[:, :, 0], via))  # token 0 is still the CLS row

@@ -223,6 +223,15 @@ class LmprobeReader(Reader):
         return self._cached("label", lambda: column_numpy(self.table, "label", np.int64))
 
     @property
+    def cls_token(self) -> bool:
+        """The `cls_token` actlake records in the index footer, for full_sequence data only: a pooled row is the
+        last token, never a CLS token (absent: False, as for other tools)."""
+        value = self.actlake_meta.get("cls_token", False)
+        if not isinstance(value, bool):
+            raise MetadataError(f"actlake cls_token must be true or false, got {value!r}", self.index_path)
+        return value and self.full_sequence
+
+    @property
     def provenance(self) -> dict[str, Any]:
         return {"model": self.info["model"], "format_version": self.info["format_version"],
                 **self.info["provenance"], **({"actlake": self.actlake_meta} if self.actlake_meta else {})}

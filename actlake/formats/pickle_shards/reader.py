@@ -200,6 +200,14 @@ class PickleReader(Reader):
         return self._texts
 
     @property
+    def cls_token(self) -> bool:
+        """The `cls_token` actlake records in its metadata.json extension (absent: False, as for other tools)."""
+        value = (self.metadata.extension or {}).get("cls_token", False)
+        if not isinstance(value, bool):
+            raise MetadataError(f"actlake cls_token must be true or false, got {value!r}", self.path / "metadata.json")
+        return value
+
+    @property
     def provenance(self) -> dict[str, Any]:
         md = self.metadata
         ext = md.extension or {}

@@ -179,6 +179,11 @@ class SaevReader(Reader):
         return self._labels_all_ignore
 
     @property
+    def cls_token(self) -> bool:
+        """metadata.json's `cls_token`: token 0 of every example is CLS."""
+        return self.metadata.cls_token
+
+    @property
     def provenance(self) -> dict[str, Any]:
         f = self.path / "provenance.json"
         out = dict(read_json(f)) if f.exists() else {}

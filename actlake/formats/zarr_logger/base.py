@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ...batch import Batch
-from ...errors import ConfigError
+from ...errors import ConfigError, MetadataError
 from ...reader import Reader, TokenSegment
 from .layout import FORMAT, PROMPT, RESPONSE
 
@@ -58,6 +58,14 @@ class ZarrReaderBase(Reader):
     def response_lengths(self) -> np.ndarray:
         """[N] stored response tokens per sample (true lengths capped at R_max)."""
         return self._response_len
+
+    @property
+    def cls_token(self) -> bool:
+        """The root attr `cls_token` actlake writes: token 0 of every prompt is CLS (absent: False)."""
+        value = self.attrs.get("cls_token", False)
+        if not isinstance(value, bool):
+            raise MetadataError(f"attr cls_token must be true or false, got {value!r}", self.path / ".zattrs")
+        return value
 
     @property
     def max_response_tokens(self) -> int:

@@ -115,9 +115,9 @@ class ZarrManifestReader(ZarrReaderBase):
             if shard.n_samples != e["n_samples"]:
                 raise MetadataError(f"shard {e['path']} holds {shard.n_samples} samples, manifest says "
                                     f"{e['n_samples']}", self.manifest_path)
-            if (shard.layers, shard.d_model, shard.max_tokens, shard.r_max) != (
-                    first.layers, first.d_model, first.max_tokens, first.r_max):
-                raise MetadataError(f"shard {e['path']} has another layout (layers, H, P_max, R_max) than "
+            if (shard.layers, shard.d_model, shard.max_tokens, shard.r_max, shard.cls_token) != (
+                    first.layers, first.d_model, first.max_tokens, first.r_max, first.cls_token):
+                raise MetadataError(f"shard {e['path']} has another layout (layers, H, P_max, R_max, cls_token) than "
                                     f"{entries[0]['path']}", self.manifest_path)
         self._shard_of = index[:, 0].copy()
         self._local_of = index[:, 1].copy()
@@ -193,6 +193,11 @@ class ZarrManifestReader(ZarrReaderBase):
     @property
     def extra_rows(self) -> list[dict[str, Any]] | None:
         return self._column("extra_rows")
+
+    @property
+    def cls_token(self) -> bool:
+        """The shards' `cls_token` (checked equal across shards on open)."""
+        return self.shards[0].cls_token
 
     @property
     def provenance(self) -> dict[str, Any]:

@@ -282,6 +282,7 @@ class ZarrWriter(Writer):
         spec, lay = self.spec, self.layout
         return {
             "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "model_id": spec.model_name, "family": spec.family,
+            "cls_token": spec.cls_token,
             "num_layers": len(lay.layers), "layers": list(lay.layers), "hidden_size": lay.hidden_size,
             "T_max": spec.max_tokens, "P_max": lay.p_max, "R_max": lay.r_max,
             "p_max_policy": "constant" if lay.p_quantile is None else "quantile", "p_quantile": lay.p_quantile,
