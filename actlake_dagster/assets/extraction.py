@@ -71,7 +71,7 @@ def build_extraction_assets(settings: GraphSettings, parts: GraphPartitions,
         key=ACTIVATION_SHARDS, partitions_def=parts.per_split, group_name="extraction",
         deps=[dg.AssetDep(MACHINE_SLICES, partition_mapping=ALL_MACHINES_OF_CHECKPOINT)],
         automation_condition=condition, code_version=CODE_VERSION,
-        check_specs=[dg.AssetCheckSpec("conforms_to_spec", asset=ACTIVATION_SHARDS,
+        check_specs=[dg.AssetCheckSpec("conforms_to_spec", asset=ACTIVATION_SHARDS, blocking=True,
                                        description="actlake verify: every invariant of the saev 2.1 spec, checksums included")],
         description="The content-hashed saev directory of one split, merged from every machine's slice "
                     "(<shards_root>/<shard_hash>). Data version: the shard hash.",
@@ -89,7 +89,7 @@ def build_extraction_assets(settings: GraphSettings, parts: GraphPartitions,
             raise dg.Failure(f"the machine slices of {ckpt} belong to different extraction runs: {run_dirs}")
         root = storage.shards_root()
         before = set(p.name for p in root.iterdir()) if root.is_dir() else set()
-        merged = Path(merge_run(Path(run_dirs[0]), root))
+        merged = Path(merge_run(Path(run_dirs[0]), root, verify=False))  # verified once, below, as the asset check
         shard_hash = merged.name
         problems = actlake.verify(merged)
         for problem in problems:
