@@ -156,7 +156,10 @@ def test_pickle_round_trip_through(tmp_path: Path, source: dict, via: str, optio
                 assert item["metadata"].get("text", item["text_preview"]) == source["texts"][i]
                 want = expected(source, i, j, via, options)
                 assert item["metadata"]["token_count"] == want.shape[0]
-                np.testing.assert_array_equal(item["activation"], want)
+                act = item["activation"]  # padded to max_seq_length (docs/formats/pickle.md)
+                assert act.shape == (md["extraction_config"]["max_seq_length"], D)
+                np.testing.assert_array_equal(act[: want.shape[0]], want)
+                assert not act[want.shape[0] :].any()
         pos += info["num_samples"]
     assert pos == N
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import hashlib
 import json
@@ -149,9 +150,12 @@ def test_shards_hold_exactly_the_spec_dict(store: Path, data: dict) -> None:
                 n = int(data["lengths"][i])
                 assert set(item) == {"sample_idx", "activation", "shape", "text_preview", "metadata"}
                 assert item["sample_idx"] == data["sample_ids"][i]
-                assert item["activation"].dtype == np.float32 and item["activation"].shape == (n, D)
-                np.testing.assert_array_equal(item["activation"], data["acts"][i, j, :n])
-                assert item["shape"] == (n, D) and isinstance(item["shape"], tuple)
+                # the spec's shape: (max_seq_length, hidden) with token_count real rows, zero padding
+                assert item["activation"].dtype == np.float32 and item["activation"].shape == (T, D)
+                assert md["extraction_config"]["max_seq_length"] == T
+                np.testing.assert_array_equal(item["activation"][:n], data["acts"][i, j, :n])
+                assert not item["activation"][n:].any()
+                assert item["shape"] == (T, D) and isinstance(item["shape"], tuple)
                 assert item["text_preview"] == data["texts"][i][:200]
                 meta = item["metadata"]
                 assert meta["token_count"] == n and meta["machine_id"] == 0
@@ -182,10 +186,12 @@ def test_uncompressed_option_writes_plain_pickles(tmp_path: Path, data: dict) ->
     assert actlake.verify(out) == []
 
 
-def test_shards_are_sized_by_the_byte_budget(tmp_path: Path, data: dict) -> None:
+@pytest.mark.parametrize("padded", [True, False])
+def test_shards_are_sized_by_the_byte_budget(tmp_path: Path, data: dict, padded: bool) -> None:
+    """The budget counts the float32 bytes stored: max_seq_length rows per sample padded, token_count rows not."""
     budget = 2 * T * D * 4 * len(LAYERS)
-    out = write_store(tmp_path, data, shard_bytes=budget, batch_size=5)
-    raw = data["lengths"] * len(LAYERS) * D * 4
+    out = write_store(tmp_path, data, shard_bytes=budget, batch_size=5, padded=padded)
+    raw = (np.full(N, T) if padded else data["lengths"]) * len(LAYERS) * D * 4
     expected, acc, count = [], 0, 0  # greedy: close a shard before a sample that would overflow it
     for r in raw:
         if count and acc + r > budget:
@@ -301,13 +307,52 @@ def test_spec_loader_reads_our_shards(tmp_path: Path, data: dict, compressed: bo
         items = list(iter_activations(out, layer_idx=layer))
         assert [it["sample_idx"] for it in items] == data["sample_ids"].tolist()
         for i, item in enumerate(items):
-            np.testing.assert_array_equal(item["activation"], reader.get(i, layer))
+            n = item["metadata"]["token_count"]
+            np.testing.assert_array_equal(item["activation"][:n], reader.get(i, layer))
+            assert item["activation"].shape == (T, D) and not item["activation"][n:].any()
         dataset = ActivationDataset(out, layer_idx=layer)
         assert len(dataset) == N
         for i in (0, N - 1, 3, 1):
             got = dataset[i]
-            np.testing.assert_array_equal(got["activation"], reader.get(i, layer))
+            np.testing.assert_array_equal(got["activation"], reader.batch([i], [layer]).acts_bltd[0, 0])
             assert got["sample_idx"] == reader.sample_ids[i] and got["text"] == reader.texts[i][:200]
+
+
+def test_spec_usage_example_runs_as_printed(tmp_path: Path, rng: np.random.Generator,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spec's DataLoader usage, verbatim, over a store of variable-length samples written with default
+    options: every batch stacks ([batch_size, seq_len, hidden_size]); with padded=false it cannot."""
+    n, layers = 40, (15, 16)
+    acts = rng.standard_normal((n, len(layers), T, D)).astype(np.float32)
+    lengths = rng.integers(1, T + 1, n)
+    lengths[:2] = (1, T)
+    spec = StoreSpec(layers=layers, d_model=D, max_tokens=T, n_samples=n, model_name="tiny/model", family="gpt2")
+    stores = {}
+    for padded in (True, False):
+        writer = create_writer("pickle", tmp_path / str(padded), dataclasses.replace(spec, options={} if padded else
+                                                                                       {"padded": False}))
+        writer.write_batch(Batch(acts_bltd=acts, lengths=lengths, sample_ids=np.arange(n), texts=["x"] * n))
+        stores[padded] = writer.close()
+    monkeypatch.chdir(tmp_path)
+    os.symlink(stores[True], tmp_path / "activations")
+
+    seen = []
+    # --- the spec's usage, as printed ---
+    dataset = ActivationDataset("./activations", layer_idx=15)
+    loader = DataLoader(dataset, batch_size=32, shuffle=True)
+
+    for batch in loader:
+        activations = batch['activation']  # [batch_size, seq_len, hidden_size]
+        # Train SAE...
+        # --- end of the spec's usage ---
+        seen.append((activations.numpy(), batch["sample_idx"].numpy()))
+    assert [a.shape for a, _ in seen] == [(32, T, D), (8, T, D)]
+    got = np.concatenate([a for a, _ in seen])[np.argsort(np.concatenate([i for _, i in seen]))]
+    want = acts[:, 0] * (np.arange(T)[None, :, None] < lengths[:, None, None])
+    np.testing.assert_array_equal(got, want)
+
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        next(iter(DataLoader(ActivationDataset(stores[False], layer_idx=15), batch_size=32, shuffle=True)))
 
 
 def test_spec_dataloader_batches_equal_length_samples(tmp_path: Path, data: dict) -> None:
@@ -704,8 +749,9 @@ def test_declared_width_is_checked_against_items_before_batch_allocates(tmp_path
     assert any("d_model" in p for p in actlake.verify(bad))
 
 
-def test_index_lengths_beyond_the_items_are_a_typed_error(tmp_path: Path, store: Path, data: dict) -> None:
-    bad = writable_copy(store, tmp_path / "bad")
+def test_index_lengths_beyond_the_items_are_a_typed_error(tmp_path: Path, data: dict) -> None:
+    real = write_store(tmp_path / "real", data, padded=False)  # items of token_count rows
+    bad = writable_copy(real, tmp_path / "bad")
     short = int(np.flatnonzero(data["lengths"] < T)[0])
     lengths = data["lengths"].tolist()
     lengths[short] = T  # the item holds fewer rows than the index now claims

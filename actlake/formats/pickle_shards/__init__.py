@@ -6,7 +6,9 @@ Choices where the spec is silent are recorded in docs/formats/pickle.md:
   `provenance`, so every machine of one job shares the parent); `merge` joins such stores;
 - shard ids start at 1 (as in the spec's example); shards hold every extracted layer of their
   samples and close once their raw float32 activation bytes reach `shard_bytes`;
-- `activation` holds the real tokens only ([token_count, hidden]); `shape` is its shape;
+- `activation` is [max_seq_length, hidden] with `token_count` real rows and zero padding, the
+  spec's shape, so its DataLoader example stacks items (option `padded=false`: real tokens
+  only, [token_count, hidden]); `shape` is its shape;
 - actlake keeps its extras under keys the spec's loader never reads: `label` and the full
   `text` (when longer than the preview) in each item's `metadata`, and a top-level `actlake`
   object in metadata.json (sample ids, lengths, labels, provenance, the spec hash);

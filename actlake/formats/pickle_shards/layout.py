@@ -69,6 +69,9 @@ class PickleOptions:
     compressed: bool = True
     compresslevel: int = DEFAULT_COMPRESSLEVEL
     pickle_protocol: int = DEFAULT_PICKLE_PROTOCOL
+    #: activations padded to `max_seq_length` rows (zeros past `token_count`), the spec's shape, so its
+    #: DataLoader example stacks them; False keeps the real tokens only (smaller, ragged)
+    padded: bool = True
 
     def __post_init__(self) -> None:
         if not is_int(self.shard_bytes) or self.shard_bytes < 1:
@@ -79,6 +82,8 @@ class PickleOptions:
             raise ConfigError(f"compresslevel must be 0..9, got {self.compresslevel!r}")
         if self.pickle_protocol not in (4, 5):
             raise ConfigError(f"pickle_protocol must be 4 or 5, got {self.pickle_protocol!r}")
+        if not isinstance(self.padded, bool):
+            raise ConfigError(f"padded must be true or false, got {self.padded!r}")
 
     @classmethod
     def from_spec(cls, spec: StoreSpec) -> PickleOptions:
@@ -89,6 +94,7 @@ class PickleOptions:
             compressed=_as_bool(o.get("compressed", True)),
             compresslevel=_as_int("compresslevel", o.get("compresslevel", DEFAULT_COMPRESSLEVEL)),
             pickle_protocol=_as_int("pickle_protocol", o.get("pickle_protocol", DEFAULT_PICKLE_PROTOCOL)),
+            padded=_as_bool(o.get("padded", True)),
         )
 
 

@@ -152,6 +152,7 @@ class PickleWriter(Writer):
                             written=self.written, n_samples=spec.n_samples):
             return
         b, n_layers, _, d = batch.acts_bltd.shape
+        padded = self.options.padded
         self._batch_size = max(self._batch_size or 0, b)
         ids = np.asarray(batch.sample_ids, dtype=np.int64)
         lengths = np.asarray(batch.lengths, dtype=np.int64)
@@ -164,7 +165,8 @@ class PickleWriter(Writer):
                 raise ConfigError(f"sample id {sid} was already written; sample ids must be unique", self.tmp_path)
             self._seen.add(sid)
             n = int(lengths[k])
-            row_bytes = n_layers * n * d * 4
+            rows = spec.max_tokens if padded else n  # stored rows per layer
+            row_bytes = n_layers * rows * d * 4
             if self._pending.items and self._pending.nbytes + row_bytes > self.options.shard_bytes:
                 self._flush()
             text = "" if batch.texts is None else str(batch.texts[k])
@@ -181,7 +183,8 @@ class PickleWriter(Writer):
                 meta["text"] = text  # one string object: pickle stores it once per shard
             layer_items = []
             for j in range(n_layers):
-                act = batch.acts_bltd[k, j, :n].astype(np.float32)  # a copy: the caller may reuse its buffer
+                act = np.zeros((rows, d), dtype=np.float32)  # a copy: the caller may reuse its buffer
+                act[:n] = batch.acts_bltd[k, j, :n]  # padding rows stay zero whatever the batch held there
                 layer_items.append({"sample_idx": sid, "activation": act, "shape": tuple(act.shape),
                                     "text_preview": preview, "metadata": dict(meta)})
             p = self._pending
