@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="dataset: .txt/.jsonl/.parquet file, load_from_disk dir, image folder, or builtin:stdlib-docs")
     p.add_argument("--layers", default="all", help="'all' or comma-separated block indices, e.g. 0,3,-1 (default all)")
     p.add_argument("--format", default="saev", help="store format (any registered name; default saev)")
-    p.add_argument("--out", default=None, help="output root (default $ACTLAKE_SCRATCH/shards or ./actlake-data/shards)")
+    p.add_argument("--out", default=None, help="output root (default: the shards root, $SAEV_SCRATCH/saev/shards, else ./actlake-data/saev/shards)")
     add_common_arguments(p)
     p.add_argument("--dtype", default=None, help="storage dtype float32|float16 (default: the format's)")
     p.add_argument("--model-dtype", default="float32", help="compute dtype float32|float16|bfloat16")

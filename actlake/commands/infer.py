@@ -10,7 +10,7 @@ HELP = "write inference/<shard_hash>/{patch_acts.npz, metrics.json, config.json}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", required=True, help="run directory (a bare name is a run id under $ACTLAKE_NFS/runs)")
+    p.add_argument("--run", required=True, help="run directory (a bare name is a run id under the runs root, $SAEV_NFS/saev/runs)")
     p.add_argument("--shards", default=None,
                    help="activation directory to encode (default: links/val-shards, else links/train-shards)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")

@@ -11,8 +11,8 @@ HELP = "train a sparse autoencoder on one layer of an activation directory, into
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", default=None,
-                   help="run directory (a bare name is a run id under $ACTLAKE_NFS/runs); "
-                        "default: a new <timestamp>-<hash> run under $ACTLAKE_NFS/runs")
+                   help="run directory (a bare name is a run id under the runs root, $SAEV_NFS/saev/runs); "
+                        "default: a new <timestamp>-<hash> run under the runs root")
     p.add_argument("--shards", default=None, help="training activation directory (needed for a new run)")
     p.add_argument("--val-shards", default=None, help="validation activation directory (linked as links/val-shards)")
     p.add_argument("--layer", type=int, default=None, help="stored layer to train on (default: the only one)")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 NAME = "verify"
-HELP = "check a store against its spec and report every problem (exit 1 if any)"
+HELP = ("check a store against its spec and report every problem (exit 1 if any; exit 2 if the check itself "
+        "failed) and every warning (what could not be checked)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,8 +17,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import actlake
 
-    problems = actlake.verify(args.path, args.format)
-    for problem in problems:
+    report = actlake.verify_report(args.path, args.format)
+    for problem in report.problems:
         print(f"problem: {problem}")
-    print(f"{args.path}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
-    return 1 if problems else 0
+    for warned in report.warnings:
+        print(f"warning: {warned}")
+    note = f" ({len(report.warnings)} warning(s): not checked, not failed)" if report.warnings else ""
+    print(f"{args.path}: {'OK' if report.ok else f'{len(report.problems)} problem(s)'}{note}")
+    return 0 if report.ok else 1

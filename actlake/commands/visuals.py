@@ -9,7 +9,7 @@ HELP = "draw inference/<shard_hash>/visuals/ (latent pages or image grids, summa
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", required=True, help="run directory (a bare name is a run id under $ACTLAKE_NFS/runs)")
+    p.add_argument("--run", required=True, help="run directory (a bare name is a run id under the runs root, $SAEV_NFS/saev/runs)")
     p.add_argument("--shards-hash", default=None,
                    help="which inference dump (default: the only one, else the val/train shards' one)")
     p.add_argument("--top-latents", type=int, default=32, help="latents to draw, by total activation")
