@@ -14,13 +14,9 @@ after materializing the whole tiny graph (actlake_dagster.demo.materialize_graph
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -29,8 +25,8 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+from .services import BIN, REPO, Processes, clean_env, free_port, in_ci, tail
+
 LOCATION, REPOSITORY, JOB = "actlake", "__repository__", "extract_slices"
 MODEL = "tiny-random:bert"
 #: the graph kept tiny through the variables the code location reads when it loads (GraphSettings.from_env)
@@ -86,65 +82,6 @@ query Materializations($partitions: [String!]) {
 }"""
 
 
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _tail(path: Path, n: int = 4000) -> str:
-    try:
-        return path.read_text(encoding="utf-8", errors="replace")[-n:]
-    except OSError:
-        return "<no log>"
-
-
-class Processes:
-    """Every process the test starts, each the leader of its own session; stopped by process group id."""
-
-    def __init__(self) -> None:
-        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
-        self.stopped: set[int] = set()
-
-    def start(self, name: str, cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append((name, proc))
-        return proc
-
-    @staticmethod
-    def stop(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
-        """SIGTERM to the group (the leader and its code server, run workers, renderers), wait, then SIGKILL."""
-        pgid = proc.pid  # start_new_session: the leader's pid is the group's id
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        try:  # whatever is left in the group, leader included
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def stop_all(self) -> None:
-        for _, proc in reversed(self.procs):
-            if proc.pid not in self.stopped:  # a stopped group's id may since belong to someone else
-                self.stop(proc)
-                self.stopped.add(proc.pid)
-
-
 class UI:
     """The webserver's HTTP endpoints on loopback."""
 
@@ -170,13 +107,8 @@ class UI:
 
 
 def _environment(tmp: Path, home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("ACTLAKE_", "SAEV_", "DAGSTER_", "PYTEST_")) and k != "PYTHONPATH"}
-    env.update(GRAPH_ENV)
-    env.update({"DAGSTER_HOME": str(home), "ACTLAKE_SCRATCH": str(tmp / "scratch"), "ACTLAKE_NFS": str(tmp / "nfs"),
-                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONUNBUFFERED": "1"})
-    return env
+    return clean_env({**GRAPH_ENV, "DAGSTER_HOME": str(home), "ACTLAKE_SCRATCH": str(tmp / "scratch"),
+                      "ACTLAKE_NFS": str(tmp / "nfs")})
 
 
 def _wait_for_server(ui: UI, proc: subprocess.Popen[bytes], name: str) -> float:
@@ -186,7 +118,7 @@ def _wait_for_server(ui: UI, proc: subprocess.Popen[bytes], name: str) -> float:
     answered = False
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"{name} exited with {proc.returncode} before serving:\n{_tail(ui.log)}")
+            raise AssertionError(f"{name} exited with {proc.returncode} before serving:\n{tail(ui.log)}")
         try:
             if not answered:
                 info = json.loads(ui.get("/server_info", timeout=5))
@@ -203,7 +135,7 @@ def _wait_for_server(ui: UI, proc: subprocess.Popen[bytes], name: str) -> float:
         except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
             pass
         time.sleep(0.5)
-    raise AssertionError(f"{name} not ready after {SERVER_TIMEOUT_S:.0f} s:\n{_tail(ui.log)}")
+    raise AssertionError(f"{name} not ready after {SERVER_TIMEOUT_S:.0f} s:\n{tail(ui.log)}")
 
 
 def _launch_partition(ui: UI, checkpoint: str, machine: str) -> str:
@@ -254,7 +186,7 @@ def _wait_for_run(ui: UI, run_id: str, daemon_log: Path) -> tuple[str, float]:
         time.sleep(1.0)
     raise AssertionError(f"run {run_id} still {status} after {RUN_TIMEOUT_S:.0f} s "
                          f"(QUEUED: the daemon never dequeued it)\n{_run_errors(ui, run_id)}\n"
-                         f"daemon log:\n{_tail(daemon_log)}")
+                         f"daemon log:\n{tail(daemon_log)}")
 
 
 def _chromium() -> str | None:
@@ -278,8 +210,7 @@ def _chromium_once(procs: Processes, chromium: str, url: str, out: Path, profile
     except subprocess.TimeoutExpired:
         stdout = b""
     finally:
-        Processes.stop(proc, grace_s=5)  # the renderer and GPU helper processes too
-        procs.stopped.add(proc.pid)
+        procs.stop(proc, grace_s=5)  # the renderer and GPU helper processes too
     return proc.returncode, stdout
 
 
@@ -333,21 +264,20 @@ def test_ui_materializes_a_partition_and_shows_the_graph(tmp_path: Path) -> None
         web_log, daemon_log = tmp_path / "webserver.log", tmp_path / "daemon.log"
         ui = None
         for attempt in range(3):  # a free port can be taken between probing and binding
-            port = _free_port()
+            port = free_port()
             web = procs.start("dagster-webserver", [str(BIN / "dagster-webserver"), "-w", str(REPO / "workspace.yaml"),
-                                                    "-h", "127.0.0.1", "-p", str(port)], env, web_log)
+                                                    "-h", "127.0.0.1", "-p", str(port)], web_log, env)
             ui = UI(port, web_log)
             try:
                 timings["webserver ready"] = _wait_for_server(ui, web, "dagster-webserver")
                 break
             except AssertionError:
-                if web.poll() is None or "address already in use" not in _tail(web_log).lower() or attempt == 2:
+                if web.poll() is None or "address already in use" not in tail(web_log).lower() or attempt == 2:
                     raise
-                Processes.stop(web)
-                procs.stopped.add(web.pid)
+                procs.stop(web)
         assert ui is not None
         procs.start("dagster-daemon", [str(BIN / "dagster-daemon"), "run", "-w", str(REPO / "workspace.yaml")],
-                    env, daemon_log)
+                    daemon_log, env)
 
         # 2. materialize machine_slices partition <checkpoint>|0 the way the UI's Materialize does
         t = time.monotonic()
@@ -376,7 +306,7 @@ def test_ui_materializes_a_partition_and_shows_the_graph(tmp_path: Path) -> None
         # 4. headless Chromium renders the asset graph of the extraction group
         chromium = _chromium()
         if chromium is None:
-            if _in_ci():
+            if in_ci():
                 pytest.fail("CI: /usr/bin/chromium is missing (apt-get install -y chromium); the UI screenshot is required")
             pytest.skip("!!! /usr/bin/chromium is missing: the UI screenshot check did NOT run "
                         "(the GraphQL materialization above passed); install it with `apt-get install -y chromium` !!!")
@@ -392,7 +322,7 @@ def test_ui_materializes_a_partition_and_shows_the_graph(tmp_path: Path) -> None
             dom = out.decode("utf-8", errors="replace")
             problems = []
             if not png.is_file():
-                problems.append(f"chromium wrote no screenshot (rc {rc}):\n{_tail(chrome_log)}")
+                problems.append(f"chromium wrote no screenshot (rc {rc}):\n{tail(chrome_log)}")
             else:
                 try:
                     stats = _check_screenshot(png)
