@@ -183,6 +183,7 @@ class WriterLock:
         self._fd = None
 
 
+PID_MAX = 1 << 22  # Linux's largest pid_max: a longer number ending a name is not a pid
 _PID_SUFFIX = re.compile(r"^\.tmp-.+-(\d+)(\.[A-Za-z0-9]+)?$")
 
 
@@ -205,7 +206,8 @@ def remove_orphaned_tmp(parent: Path) -> list[Path]:
         return removed
     for entry in Path(parent).iterdir():
         m = _PID_SUFFIX.match(entry.name)
-        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
+        pid = int(m.group(1)) if m else 0
+        if 0 < pid <= PID_MAX and pid != os.getpid() and not pid_alive(pid):
             if entry.is_dir() and not entry.is_symlink():
                 remove_tree(entry)
             else:
