@@ -14,11 +14,15 @@ from .writer import Writer
 __version__ = "0.1.0"
 
 
-def open(path: str | Path, format: str | None = None) -> Reader:  # noqa: A001 - the public name
-    """Open any stored layout (saev, zarr, lmprobe, pickle) with the one Reader protocol."""
+def open(path: str | Path, format: str | None = None, *, verify: bool = False) -> Reader:  # noqa: A001 - the public name
+    """Open any stored layout (saev, zarr, lmprobe, pickle) with the one Reader protocol.
+
+    `verify=True` first checks every file against the store's checksums.json, streaming (a typed error naming
+    the first file that does not match: HashMismatchError for changed bytes, MissingFileError, UnsafePathError
+    for a link); a store published without checksums.json is opened with a VerifyWarning."""
     from .formats import open_store
 
-    return open_store(path, format)
+    return open_store(path, format, verify=verify)
 
 
 def verify(path: str | Path, format: str | None = None) -> list[str]:

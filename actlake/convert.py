@@ -23,6 +23,7 @@ from .formats import (
     create_writer,
     format_module,
     open_store,
+    verify_before_publish,
     verify_store,
 )
 from .reader import Reader
@@ -145,12 +146,14 @@ def convert(src_path: str | Path, to_format: str, out_root: str | Path, options:
     """Copy the store at `src_path` into a new `to_format` store under `out_root`; return its path.
 
     Streams `batch_size_for(reader, batch_bytes)` samples at a time; resumes where an
-    interrupted conversion with the same arguments stopped (the writer's `resume_from`); raises
-    FormatError listing the problems if `actlake.verify` finds any in the output.
+    interrupted conversion with the same arguments stopped (the writer's `resume_from`). With
+    `verify`, the output is verified in its temporary directory before the rename that publishes
+    it: a store with problems is never published (FormatError listing them).
     """
     with open_store(src_path) as reader:
         spec = spec_for(reader, to_format, options)
         writer = create_writer(to_format, out_root, spec)
+        checked = verify_before_publish(writer, to_format, "converted store") if verify else None
         try:
             start = int(writer.resume_from)
             if start < spec.n_samples:
@@ -160,7 +163,7 @@ def convert(src_path: str | Path, to_format: str, out_root: str | Path, options:
         except BaseException:
             writer.abort()
             raise
-    if verify:
+    if checked is not None and not checked():  # published by an earlier run: check what is there
         problems = verify_store(out, to_format)
         if problems:
             more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""

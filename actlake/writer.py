@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 
+from .atomic import publish_dir, remove_tree
 from .batch import Batch
-from .errors import ConfigError, FormatError
+from .checksums import write_checksums
+from .errors import ActlakeError, ConfigError, FormatError
 
 
 class Writer(ABC):
@@ -18,6 +21,10 @@ class Writer(ABC):
     """
 
     resume_from: int = 0
+    #: called as `before_publish(store, final)` on the finished temporary store (checksums.json written) just
+    #: before the rename that publishes it at `final`; an ActlakeError it raises stops publication: the
+    #: temporary directory is removed and the error re-raised (`convert` verifies the output here)
+    before_publish: Callable[[Path, Path], None] | None = None
 
     @abstractmethod
     def write_batch(self, batch: Batch) -> None:
@@ -46,6 +53,19 @@ class Writer(ABC):
         if written + b > n_samples:
             raise ConfigError(f"more samples than {count_name}={n_samples}", self.tmp_path)  # type: ignore[attr-defined]
         return True
+
+    def publish(self, tmp: Path, final: Path, store: Path | None = None) -> Path:
+        """Seal and publish a finished temporary directory: checksums.json written over `store` (the store
+        inside `tmp`; default `tmp` itself), `before_publish` run, then the atomic rename to `final`."""
+        root = tmp if store is None else store
+        write_checksums(root)
+        if self.before_publish is not None:
+            try:
+                self.before_publish(root, final)
+            except ActlakeError:
+                remove_tree(tmp)
+                raise
+        return publish_dir(tmp, final)
 
     def abort(self) -> None:
         """Stop without publishing; what is durable stays for a later resume."""

@@ -59,7 +59,10 @@ def _tree_digest(root: Path) -> dict[str, str]:
     hash: where and when it was written) is compared without its roots and its creation time."""
     out = {}
     for p in sorted(root.rglob("*")):
-        if p.is_file() and p.name != PROVENANCE:
+        if p.is_file() and p.name == "checksums.json":  # lists provenance.json too: compared without it
+            files = [e for e in json.loads(p.read_text())["files"] if e[0] != PROVENANCE]
+            out[str(p.relative_to(root))] = hashlib.sha256(json.dumps(files).encode()).hexdigest()
+        elif p.is_file() and p.name != PROVENANCE:
             out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
 

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 import actlake
 from actlake.batch import Batch
+from actlake.checksums import write_checksums
 from actlake.errors import (
     ConfigError,
     DuplicateSampleError,
@@ -423,6 +424,7 @@ def test_verify_checksums_on_load(tmp_path: Path, store: Path) -> None:
     md = plain_metadata(bad)
     md["shards"][1]["checksum"] = "sha256:" + "0" * 64
     save_metadata(bad, md)
+    write_checksums(bad)  # re-sealed: the shard checksum in metadata.json is what is checked
     second = md["shards"][0]["num_samples"]
     actlake.open(bad).get(second, 5)  # checksums are not hashed unless asked
     reader = ps.open_reader(bad, verify_checksums=True)
@@ -501,6 +503,7 @@ def test_missing_shard(tmp_path: Path, store: Path) -> None:
 def test_bad_metadata_json(tmp_path: Path, store: Path, content: str, error: type) -> None:
     bad = writable_copy(store, tmp_path / "bad")
     (bad / "metadata.json").write_text(content)
+    write_checksums(bad)  # re-sealed: the metadata checks on their own
     assert detect_format(bad) == "pickle"
     with pytest.raises(error) as exc:
         actlake.open(bad)

@@ -17,6 +17,7 @@ import pytest
 
 import actlake
 from actlake.batch import Batch
+from actlake.checksums import write_checksums
 from actlake.errors import (
     ConfigError,
     HashMismatchError,
@@ -149,6 +150,7 @@ def test_truncated_last_shard_is_read(tmp_path: Path, rng: np.random.Generator) 
     last = truncated / "acts000001.bin"
     assert last.stat().st_size == 3 * 2 * 3 * 4
     last.write_bytes(last.read_bytes()[: 2 * 2 * 3 * 4])
+    (truncated / "checksums.json").unlink()  # older actlake recorded no checksums
     assert np.array_equal(actlake.open(truncated).batch(range(5)).acts_bltd, acts)
     assert actlake.verify(truncated) == []
     last.write_bytes(last.read_bytes()[:-4])  # neither size
@@ -190,6 +192,7 @@ def test_newer_upstream_field_names(tmp_path: Path, rng: np.random.Generator) ->
     md["max_tokens_per_shard"] = md.pop("patches_per_shard")
     md["pixel_agg"] = "majority"
     (copy / "metadata.json").write_text(json.dumps(md))
+    (copy / "checksums.json").unlink()  # as upstream writes it: no checksums
     reader = actlake.open(copy)
     assert reader.max_tokens == 2 and np.array_equal(reader.get(2, 0), acts[2, 0])
     # named by the hash of its metadata.json as written (upstream names included), it verifies clean
@@ -294,6 +297,7 @@ def test_verify_clean_and_dirty(tmp_path: Path, rng: np.random.Generator) -> Non
         for f in out.iterdir():
             (copy / f.name).write_bytes(f.read_bytes())
         damage(copy)  # type: ignore[operator]
+        write_checksums(copy)  # re-sealed: each check on its own (checksums.json has tests of its own)
         return verify(copy)
 
     def nan(d: Path) -> None:
@@ -488,7 +492,9 @@ def test_verify_upstream_written_directory_warns_not_fails(tmp_path: Path, rng: 
     assert len(out.name) == 8
 
     report = actlake.verify_report(out)
-    assert report.ok and report.problems == () and len(report.warnings) == 2
+    assert report.ok and report.problems == () and len(report.warnings) == 3
+    sums_warning = next(w for w in report.warnings if "checksums.json" in w)  # upstream records none
+    assert "missing" in sums_warning and "not checked" in sums_warning
     data_warning = next(w for w in report.warnings if "'data'" in w)
     assert "UpstreamImageFolder" in data_warning and "not checked" in data_warning
     name_warning = next(w for w in report.warnings if "directory name" in w)

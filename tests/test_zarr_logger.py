@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import actlake
 from actlake import Batch, StoreSpec
 from actlake.atomic import make_writable
+from actlake.checksums import write_checksums
 from actlake.cli import main as cli_main
 from actlake.errors import (
     ConfigError,
@@ -326,6 +327,7 @@ def test_slash_dimension_separator_is_read_directly(tmp_path: Path, store: Path)
         zarr.consolidate_metadata(str(copy), zarr_format=2)
     assert json.loads((copy / "arrays/prompt_activations/.zarray").read_text())["dimension_separator"] == "/"
     assert (copy / "arrays/prompt_activations/0/1/0/0").is_file()
+    write_checksums(copy)  # the rewritten store, sealed again
     fast, api = zl.ZarrReader(copy), zl.ZarrReader(copy, fast=False)
     assert fast.fast
     for i in range(N):
@@ -779,6 +781,7 @@ def test_merge_refuses_bad_truncation_attr_and_long_keys(tmp_path: Path, store: 
 
 
 def test_crash_while_closing_resumes_at_n_samples(tmp_path: Path, data: dict, monkeypatch) -> None:
+    from actlake import writer as base_writer_mod
     from actlake.formats.zarr_logger import writer as writer_mod
 
     spec = spec_for()
@@ -789,8 +792,8 @@ def test_crash_while_closing_resumes_at_n_samples(tmp_path: Path, data: dict, mo
     def boom(*args, **kwargs):
         raise OSError("disk gone")
 
-    for stage in ("finish_store", "publish_dir"):  # before the store is finished, then after
-        monkeypatch.setattr(writer_mod, stage, boom)
+    for module, stage in ((writer_mod, "finish_store"), (base_writer_mod, "publish_dir")):  # before / after finishing
+        monkeypatch.setattr(module, stage, boom)
         with pytest.raises(OSError):
             w.close()
         w.abort()  # what a caller does on error (and what a crash does to the writer's lock)

@@ -38,9 +38,13 @@ def cli(*argv: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One small store per format, written by `actlake extract` (tiny random BERT)."""
+    return extract_stores(tmp_path_factory.mktemp("stores"))
+
+
+def extract_stores(root: Path) -> dict[str, Path]:
+    """One small store per format under `root`, written by `actlake extract` (tiny random BERT); store paths."""
     from actlake.cli import main
 
-    root = tmp_path_factory.mktemp("stores")
     data = root / "texts.txt"
     data.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
     out: dict[str, Path] = {}

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from actlake.atomic import resolve_inside
+from actlake.checksums import store_findings
 from actlake.errors import FormatError, UnsafePathError
 from actlake.formats.lmprobe.descriptors import HiddenDescriptor, LogitsDescriptor
 from actlake.formats.lmprobe.index import (
@@ -38,9 +39,16 @@ class _Problems(list):
         self.append(f"{file}: {msg}")
 
 
-def verify(path: Path) -> list[str]:
-    """Check every invariant of the spec; one message per problem, each naming the file."""
+def verify(path: Path, *, published_as: Path | None = None) -> list[str]:
+    """Check every invariant of the spec; one message per problem, each naming the file; then every file
+    against checksums.json in one streaming pass. (`published_as`, the final path of a temporary directory
+    verified before its rename, changes nothing here: no name is checked.)"""
     path = Path(path)
+    return list(dict.fromkeys(_verify_structure(path) + store_findings(path)))
+
+
+def _verify_structure(path: Path) -> list[str]:
+    """The index, descriptors, addressing and shard headers against the spec."""
     index = path / INDEX_PATH
     try:
         info, _ = read_index_metadata(index)

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from actlake.atomic import WriterLock, publish_dir, remove_tree
+from actlake.atomic import WriterLock, remove_tree
 from actlake.batch import Batch
 from actlake.errors import ConfigError, FormatError
 from actlake.formats.lmprobe.codec import encode_rows
@@ -296,7 +296,7 @@ class LmprobeWriter(Writer):
         pq.write_table(table, path)
         self._closed = True
         try:
-            return publish_dir(self.tmp_path, self.final_path)
+            return self.publish(self.tmp_path, self.final_path)
         finally:
             self._release(remove=True)
 

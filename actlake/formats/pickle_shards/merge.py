@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ...atomic import fsync_dir, fsync_file, publish_dir, write_json_atomic
+from ...checksums import write_checksums
 from ...errors import (
     ConfigError,
     DuplicateSampleError,
@@ -100,6 +101,7 @@ def merge(inputs: Iterable[str | Path], out: str | Path, *, verify_checksums: bo
                 _link_or_copy(f, tmp / name)
                 shards.append(dataclasses.replace(info, shard_id=new_id, filename=name))
         write_json_atomic(tmp / "metadata.json", _merged_metadata(readers, shards, sources))
+        write_checksums(tmp)
         fsync_dir(tmp)
     except BaseException:
         remove_tmp(tmp)

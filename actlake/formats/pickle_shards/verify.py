@@ -14,6 +14,7 @@ from ...errors import (
     MissingFileError,
     TruncatedFileError,
 )
+from ...checksums import store_findings
 from .layout import (
     CHECKSUM_RE,
     EXTENSION_KEY,
@@ -29,9 +30,16 @@ from .metadata import PickleMetadata, ShardInfo, read_metadata, shard_path
 from .shard_io import ShardContent, check_shard, load_shard_file
 
 
-def verify(path: Path, *, check_values: bool = True) -> list[str]:
-    """Check every invariant of the spec (and of actlake's additions); one message per problem."""
+def verify(path: Path, *, check_values: bool = True, published_as: Path | None = None) -> list[str]:
+    """Check every invariant of the spec (and of actlake's additions); one message per problem; then every
+    file against checksums.json in one streaming pass. (`published_as`, the final path of a temporary
+    directory verified before its rename, changes nothing here: no name is checked.)"""
     path = Path(path)
+    return list(dict.fromkeys(_verify_structure(path, check_values) + store_findings(path)))
+
+
+def _verify_structure(path: Path, check_values: bool) -> list[str]:
+    """metadata.json, every shard (checksum, structure, values) and actlake's index against the spec."""
     source = path / "metadata.json"
     try:
         md = read_metadata(path)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ...atomic import WriterLock, publish_dir, write_json_atomic
+from ...atomic import WriterLock, write_json_atomic
 from ...batch import Batch
 from ...errors import ConfigError, FormatError
 from ...spec import StoreSpec
@@ -241,7 +241,7 @@ class PickleWriter(Writer):
         (self.tmp_path / "progress.json").unlink()
         self._closed = True
         try:
-            return publish_dir(self.tmp_path, self.final_path)
+            return self.publish(self.tmp_path, self.final_path)
         finally:
             self._release(remove=True)
 

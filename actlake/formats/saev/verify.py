@@ -5,11 +5,14 @@ from __future__ import annotations
 import base64
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from ...checksums import store_findings
 from ...errors import FormatError, HashMismatchError, UnsafePickleError
+from ...finite import FiniteCheck, FloatRegion
 from ...safe_pickle import pickle_globals, runs_code
 from ...verification import is_warning, warning
 from .metadata import ACCEPTED_FAMILIES, SaevMetadata, shard_name, upstream_short_hashes
@@ -20,17 +23,40 @@ from .reader import SaevReader, expected_shard_size, read_metadata, read_shards_
 SHORT_HASH = re.compile(r"[0-9a-f]{8}")
 
 
-def verify(path: Path, *, check_values: bool = True) -> list[str]:
+def verify(path: Path, *, check_values: bool = True, published_as: Path | None = None) -> list[str]:
     """Check every invariant of the spec; return one message per finding: a problem, or a warning
-    (`actlake.verification.warning`) naming what could not be checked in an upstream-written directory."""
+    (`actlake.verification.warning`) naming what could not be checked in an upstream-written directory.
+
+    Every file is then checked against checksums.json (and its values for NaN / Inf) in one streaming pass.
+    `published_as`: the path a temporary directory will be published under (its name is checked, not the
+    temporary one's)."""
+    path = Path(path)
+    findings = _verify_structure(path, Path(published_as or path).name)
+    inspect = None
+    if check_values and all(is_warning(f) for f in findings):
+        md = read_metadata(path)
+        inspect = _value_checks(path, md, md.shard_counts())
+    return list(dict.fromkeys(findings + store_findings(path, inspector_for=inspect)))
+
+
+def _value_checks(path: Path, md: SaevMetadata, counts: list[int]) -> Callable[[str], FiniteCheck | None]:
+    """Inspectors of the checksums pass: the real examples of each shard must be finite float32 (the hole
+    past them reads as zeros and is not read)."""
+    checks = {shard_name(i): FiniteCheck(path / shard_name(i), [
+        FloatRegion(0, count * md.example_bytes, "f4", "activations", md.example_bytes, "example")]) for i, count in enumerate(counts)}
+    return checks.get
+
+
+def _verify_structure(path: Path, name: str) -> list[str]:
+    """Metadata, name, shards.json, shard and sidecar sizes, sample ids, samples.jsonl, provenance.json."""
     findings: list[str] = []
     try:
         md = read_metadata(path)
     except FormatError as exc:
         return [str(exc)]
-    name = _name_finding(path, md)
-    if name:
-        findings.append(name)
+    name_finding = _name_finding(path, md, name)
+    if name_finding:
+        findings.append(name_finding)
     if md.family not in ACCEPTED_FAMILIES:
         findings.append(f"{path / 'metadata.json'}: family {md.family!r} is not one of {ACCEPTED_FAMILIES}")
     if md.dataset and not os.path.isabs(md.dataset) and ":" not in md.dataset:
@@ -67,27 +93,19 @@ def verify(path: Path, *, check_values: bool = True) -> list[str]:
         reader.texts
     except FormatError as exc:
         findings.append(str(exc))
-    if check_values:
-        for i in range(len(counts)):
-            mm = reader.shard(i)
-            step = max(1, (64 << 20) // max(1, md.example_bytes))
-            for start in range(0, mm.shape[0], step):
-                if not np.isfinite(mm[start : start + step]).all():
-                    findings.append(f"{path / shard_name(i)}: non-finite values near example {start}")
-                    break
     reader.close()
     return findings
 
 
-def _name_finding(path: Path, md: SaevMetadata) -> str | None:
+def _name_finding(path: Path, md: SaevMetadata, name: str) -> str | None:
     """The directory name against the HASH of metadata.json as written. Upstream's own writer names a
     directory with 8 hex digits of its own hash: when the name is that, a warning says the 2.1 HASH was
     not checked; any other name is a problem."""
-    if path.name == md.hash:
+    if name == md.hash:
         return None
-    if SHORT_HASH.fullmatch(path.name):
+    if SHORT_HASH.fullmatch(name):
         on_disk = md.on_disk if md.on_disk is not None else md.to_json()
-        if path.name in upstream_short_hashes(on_disk):
+        if name in upstream_short_hashes(on_disk):
             return warning(f"{path}: directory name is upstream saev's 8-hex hash of metadata.json (it matches); "
                            f"the protocol-2.1 HASH {md.hash} was not checked against the name")
         return str(HashMismatchError(f"directory name is neither the metadata hash {md.hash} nor upstream's "

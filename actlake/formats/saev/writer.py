@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ...atomic import WriterLock, publish_dir, remove_tree, write_bytes_atomic, write_json_atomic
+from ...atomic import WriterLock, remove_tree, write_bytes_atomic, write_json_atomic
 from ...batch import Batch
 from ...errors import ConfigError, FormatError
 from ...spec import StoreSpec
@@ -233,7 +233,7 @@ class SaevWriter(Writer):
         (tmp / "progress.json").unlink()
         self._closed = True
         try:
-            return publish_dir(tmp, self.final_path)
+            return self.publish(tmp, self.final_path)
         finally:
             self._release(remove=True)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from .base import ZarrReaderBase
 from .chunks import ChunkFiles, FdCache, default_fd_capacity
-from .discover import detect, open_reader
+from .discover import detect, open_reader, store_roots
 from .layout import (
     ACT_ARRAYS,
     DEFAULT_CHUNK_BYTES,
@@ -67,6 +67,6 @@ __all__ = [
     "REQUIRED_META", "RESPONSE", "SAMPLE_KEY_BYTES", "SCHEMA", "SCHEMA_VERSION", "SHARDS_DIR", "STORE_NAME",
     "ArrayMeta", "ChunkFiles", "FdCache", "StoreMeta", "ZarrLayout", "ZarrManifestReader", "ZarrReader",
     "ZarrReaderBase", "ZarrWriter", "check_manifest", "create_writer", "default_fd_capacity", "default_sample_key",
-    "default_t_chunk", "detect", "layout_from_spec", "merge", "open_reader", "quantile_cap", "run_hash", "verify",
-    "write_manifest",
+    "default_t_chunk", "detect", "layout_from_spec", "merge", "open_reader", "quantile_cap", "run_hash",
+    "store_roots", "verify", "write_manifest",
 ]

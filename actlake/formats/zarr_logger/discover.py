@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ...atomic import resolve_inside
 from ...errors import MissingFileError
 from .base import ZarrReaderBase
 from .layout import MANIFEST_FORMAT, MANIFEST_NAME, SHARD_RE, SHARDS_DIR, STORE_NAME
-from .manifest import ZarrManifestReader
+from .manifest import ZarrManifestReader, check_manifest
+from .meta import read_json
 from .reader import ZarrReader
 from ...jsonio import peek_json
 
@@ -19,6 +21,20 @@ def store_dir(path: Path) -> Path | None:
     if (path / STORE_NAME / ".zgroup").is_file():
         return path / STORE_NAME
     return None
+
+
+def store_roots(path: Path) -> list[Path]:
+    """The store directories at `path`, each carrying its own checksums.json: the store, or every shard store
+    a sharded run's manifest lists."""
+    path = Path(path)
+    manifest = path / MANIFEST_NAME
+    if manifest.is_file():
+        entries, _ = check_manifest(read_json(manifest), manifest)
+        return [resolve_inside(path, e["path"], source=manifest) for e in entries]
+    store = store_dir(path)
+    if store is None:
+        raise MissingFileError("no Zarr store here (.zgroup with arrays/, or activations.zarr/)", path / ".zgroup")
+    return [store]
 
 
 def is_sharded_run(path: Path) -> bool:

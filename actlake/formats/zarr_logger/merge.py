@@ -9,6 +9,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ...atomic import publish_dir, remove_tree
+from ...checksums import write_checksums
 from ...errors import ConfigError, MetadataError
 from .base import ZarrReaderBase
 from .discover import open_reader
@@ -97,6 +98,7 @@ def _merge(paths: list[Path], sources: list[ZarrReaderBase], out: Path) -> Path:
             has_response=any(bool(s.meta.attrs.get("has_response", True)) for r in sources for s in _stores(r)),
         )
         finish_store(tmp, cols, attrs)
+        write_checksums(tmp)
     except BaseException:
         remove_tree(tmp)
         raise

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ...atomic import resolve_inside
+from ...checksums import store_findings
 from ...errors import FormatError, MissingFileError
 from .discover import is_sharded_run, store_dir
 from .layout import (
@@ -28,8 +29,10 @@ from .reader import ZarrReader
 _DIGITS = re.compile(r"[0-9]+")
 
 
-def verify(path: Path) -> list[str]:
-    """Check every invariant of the spec; one message per problem, each naming the file."""
+def verify(path: Path, *, published_as: Path | None = None) -> list[str]:
+    """Check every invariant of the spec; one message per problem, each naming the file. Every store's files
+    are checked against its checksums.json in one streaming pass. (`published_as`, the final path of a
+    temporary directory verified before its rename, changes nothing here: no name is checked.)"""
     path = Path(path)
     if is_sharded_run(path):
         return _verify_run(path)
@@ -65,6 +68,11 @@ def _verify_run(run: Path) -> list[str]:
 
 
 def _verify_store(store: Path) -> list[str]:
+    """The spec's invariants of one store, then its files against checksums.json."""
+    return list(dict.fromkeys(_verify_structure(store) + store_findings(store)))
+
+
+def _verify_structure(store: Path) -> list[str]:
     problems: list[str] = []
     zgroup = store / ".zgroup"
     try:

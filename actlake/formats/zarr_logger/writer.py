@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ...atomic import WriterLock, fsync_dir, publish_dir, remove_tree, write_json_atomic
+from ...atomic import WriterLock, fsync_dir, remove_tree, write_json_atomic
 from ...batch import Batch
 from ...errors import ConfigError, FormatError, MetadataError
 from ...spec import StoreSpec
@@ -314,7 +314,7 @@ class ZarrWriter(Writer):
             self._finished = True
         self._closed = True
         try:
-            published = publish_dir(self.tmp_path, self.final_path)
+            published = self.publish(self.tmp_path, self.final_path, self.store_tmp)
         finally:
             self._release(remove=True)
         if self.spec.num_machines > 1:

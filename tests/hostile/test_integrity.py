@@ -1,0 +1,109 @@
+"""Integrity corpus (tracker issue 10): stores damaged after publication, run through the real command line in a
+child process under the 2 GiB address-space limit of test_formats. Each case names the outcome it must get: a
+verify problem naming the file (exit 1) or a typed error naming it (exit 2), never a traceback; the store a
+failing command would have made is not published."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from .test_formats import LMPROBE_INDEX, _copy, _refused, cli, extract_stores
+
+#: a data file of each store `extract_stores` writes (one layer, five samples)
+DATA_FILE = {"saev": "acts000000.bin", "zarr": "arrays/prompt_activations/0.0.0.0",
+             "lmprobe": "tensors/hidden_layer000_shard000.safetensors", "pickle": "shard_0001.pkl.gz"}
+FORMATS = list(DATA_FILE)
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return extract_stores(tmp_path_factory.mktemp("integrity"))
+
+
+def _flip(path: Path, offset: int) -> None:
+    """Flip the lowest bit of one byte (size, names and structure unchanged)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def _ok(result) -> str:
+    text = result.stdout + result.stderr
+    assert result.returncode == 0 and "Traceback" not in text, text
+    return text
+
+
+# ---- 1. a flipped byte in a data file ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_flipped_byte_in_a_data_file(stores: dict[str, Path], tmp_path: Path, fmt: str) -> None:
+    """verify: a problem naming the file (checksums.json); `info --verify` (open(verify=True)): a typed error."""
+    store = _copy(stores[fmt], tmp_path / "s")
+    victim = store / DATA_FILE[fmt]
+    _flip(victim, min(100, os.path.getsize(victim) - 1))
+    _refused(cli("verify", str(store)), str(victim), "does not match checksums.json")
+    _refused(cli("info", "--verify", str(store)), str(victim), "does not match checksums.json")
+
+
+def test_store_without_checksums_verifies_with_a_warning(stores: dict[str, Path], tmp_path: Path) -> None:
+    """A store published before checksums existed: verify passes, and a warning says its bytes were not checked."""
+    store = _copy(stores["saev"], tmp_path / "s")
+    (store / "checksums.json").unlink()
+    text = _ok(cli("verify", str(store)))
+    assert "warning:" in text and "checksums.json" in text and "not checked" in text
+
+
+# ---- 3. metadata edited after publication -----------------------------------------------------------------------
+
+
+def _edit_zarr_model(store: Path) -> Path:
+    """model_id changed in .zattrs and in its consolidated copy, so the two still agree."""
+    attrs = json.loads((store / ".zattrs").read_text())
+    attrs["model_id"] = "someone/else"
+    (store / ".zattrs").write_text(json.dumps(attrs, indent=4))
+    zmeta = json.loads((store / ".zmetadata").read_text())
+    zmeta["metadata"][".zattrs"] = attrs
+    (store / ".zmetadata").write_text(json.dumps(zmeta, indent=4))
+    return store / ".zattrs"
+
+
+def _edit_lmprobe_model(store: Path) -> Path:
+    table = pq.read_table(store / LMPROBE_INDEX)
+    meta = dict(table.schema.metadata)
+    model = json.loads(meta[b"lmprobe:model"])
+    model["name"] = "someone/else"
+    meta[b"lmprobe:model"] = json.dumps(model).encode()
+    pq.write_table(table.replace_schema_metadata(meta), store / LMPROBE_INDEX)
+    return store / LMPROBE_INDEX
+
+
+def _edit_pickle_model(store: Path) -> Path:
+    md = json.loads((store / "metadata.json").read_text())
+    md["extraction_config"]["model_name"] = "someone/else"
+    (store / "metadata.json").write_text(json.dumps(md, indent=2))
+    return store / "metadata.json"
+
+
+def _edit_saev_provenance(store: Path) -> Path:
+    prov = json.loads((store / "provenance.json").read_text())
+    prov["model_name"] = "someone/else"
+    (store / "provenance.json").write_text(json.dumps(prov))
+    return store / "provenance.json"
+
+
+@pytest.mark.parametrize("fmt, edit", [("zarr", _edit_zarr_model), ("lmprobe", _edit_lmprobe_model),
+                                       ("pickle", _edit_pickle_model), ("saev", _edit_saev_provenance)])
+def test_metadata_edited_after_publication(stores: dict[str, Path], tmp_path: Path, fmt: str, edit) -> None:
+    """The metadata files are in checksums.json like the data: verify names the edited file."""
+    store = _copy(stores[fmt], tmp_path / "s")
+    edited = edit(store)
+    _refused(cli("verify", str(store)), str(edited), "checksums.json")
+    _refused(cli("info", "--verify", str(store)), str(edited))
