@@ -7,7 +7,7 @@ import pickle
 from pathlib import Path
 from typing import IO, Any
 
-from .errors import UnsafePickleError
+from .errors import ActlakeError, UnsafePickleError
 
 _ALLOWED: frozenset[tuple[str, str]] = frozenset(
     {
@@ -75,7 +75,7 @@ def safe_load(file: IO[bytes], *, source: str | Path | None = None) -> Any:
     """Load one pickle from an open binary file with the restricted unpickler."""
     try:
         return RestrictedUnpickler(file, source=source).load()
-    except UnsafePickleError:
+    except ActlakeError:  # refused by the unpickler or by the stream it reads (a capped decompression)
         raise
     except Exception as exc:  # corrupt stream: EOFError, UnpicklingError, ValueError...
         raise UnsafePickleError(f"cannot unpickle: {type(exc).__name__}: {exc}", source) from exc

@@ -426,12 +426,12 @@ def test_verify_checksums_on_load(tmp_path: Path, store: Path) -> None:
     save_metadata(bad, md)
     write_checksums(bad)  # re-sealed: the shard checksum in metadata.json is what is checked
     second = md["shards"][0]["num_samples"]
-    actlake.open(bad).get(second, 5)  # checksums are not hashed unless asked
-    reader = ps.open_reader(bad, verify_checksums=True)
+    ps.open_reader(bad, verify_checksums=False).get(second, 5)  # a caller that checked the files itself
+    reader = actlake.open(bad)  # checked by default, before the shard is decompressed
     reader.get(0, 5)
     with pytest.raises(HashMismatchError) as exc:
         reader.get(second, 5)
-    assert exc.value.path.name == "shard_0002.pkl.gz"
+    assert exc.value.path.name == "shard_0002.pkl.gz" and "not decompressed" in str(exc.value)
     problems = actlake.verify(bad)
     assert len(problems) == 1 and "shard_0002.pkl.gz" in problems[0] and "checksum" in problems[0]
 
@@ -464,6 +464,7 @@ def test_truncated_gzip_shard(tmp_path: Path, store: Path) -> None:
     assert exc.value.path == f.resolve()
     md = plain_metadata(bad)
     md["shards"][0]["size_bytes"] = f.stat().st_size  # hide the size change: the gzip stream itself ends early
+    md["shards"][0]["checksum"] = ps.file_sha256(f)  # (and the checksum, which would refuse it first)
     save_metadata(bad, md)
     with pytest.raises(TruncatedFileError) as exc:
         actlake.open(bad).get(0, 5)

@@ -107,3 +107,81 @@ def test_metadata_edited_after_publication(stores: dict[str, Path], tmp_path: Pa
     edited = edit(store)
     _refused(cli("verify", str(store)), str(edited), "checksums.json")
     _refused(cli("info", "--verify", str(store)), str(edited))
+
+
+# ---- 2. a corrupted pickle shard ----------------------------------------------------------------------------------
+
+
+def _reseal(store: Path) -> None:
+    """checksums.json written again over the damaged store: the per-shard defences are tested on their own."""
+    from actlake.checksums import write_checksums
+
+    write_checksums(store)
+
+
+def _published(out: Path) -> list[Path]:
+    """What a command published under `out` (temporary names and lock files excluded)."""
+    return [p for p in out.rglob("*") if not any(part.startswith(".") for part in p.relative_to(out).parts)] \
+        if out.exists() else []
+
+
+def test_corrupted_pickle_shard_is_refused_before_unpickling(stores: dict[str, Path], tmp_path: Path) -> None:
+    """The shard's sha256 (metadata.json) is checked over the compressed bytes first: convert stops with a typed
+    error naming the shard and publishes nothing; verify reports it."""
+    store = _copy(stores["pickle"], tmp_path / "s")
+    shard = store / "shard_0001.pkl.gz"
+    _flip(shard, os.path.getsize(shard) // 2)
+    _reseal(store)
+    out = tmp_path / "out"
+    _refused(cli("convert", str(store), "--to", "saev", "--out", str(out)), str(shard), "does not match metadata.json",
+             "not decompressed")
+    assert _published(out) == []
+    _refused(cli("verify", str(store)), str(shard), "does not match metadata.json")
+
+
+# ---- 8. a gzip bomb in a pickle shard -----------------------------------------------------------------------------
+
+BOMB_BYTES = 5 * 2**29  # 2.5 GiB inflated: more than the child's whole address space
+
+
+def _gzip_member(data: bytes) -> bytes:
+    import zlib
+
+    c = zlib.compressobj(9, zlib.DEFLATED, 31)
+    return c.compress(data) + c.flush()
+
+
+def _bomb(many: bool) -> bytes:
+    """A gzip stream (concatenated members, which gzip reads as one) of a pickle holding BOMB_BYTES of zeros:
+    `many` 64 KiB bytearrays in a list, or one bytearray declared BOMB_BYTES long (as numpy pickles a big array)."""
+    import struct
+
+    zeros = _gzip_member(bytes(1 << 20))
+    if many:
+        item = b"\x96" + struct.pack("<Q", 1 << 16) + bytes(1 << 16)  # BYTEARRAY8
+        body = _gzip_member(item * 16)  # 16 items: 1 MiB and a little more
+        return _gzip_member(b"\x80\x05](") + body * (BOMB_BYTES >> 20) + _gzip_member(b"e.")
+    return (_gzip_member(b"\x80\x05\x96" + struct.pack("<Q", BOMB_BYTES)) + zeros * (BOMB_BYTES >> 20)
+            + _gzip_member(b"."))
+
+
+@pytest.mark.parametrize("many", [True, False], ids=["many-items", "one-declared-array"])
+def test_gzip_bomb_is_capped(stores: dict[str, Path], tmp_path: Path, many: bool) -> None:
+    """A ~3 MB shard inflating to 2.5 GiB, with its size and sha256 updated in metadata.json (so only the cap
+    stands in the way): verify and convert refuse it in bounded memory, naming the shard."""
+    import hashlib
+
+    store = _copy(stores["pickle"], tmp_path / "s")
+    shard = store / "shard_0001.pkl.gz"
+    shard.write_bytes(_bomb(many))
+    md = json.loads((store / "metadata.json").read_text())
+    md["shards"][0].update(size_bytes=shard.stat().st_size,
+                           checksum="sha256:" + hashlib.sha256(shard.read_bytes()).hexdigest())
+    md["statistics"]["total_size_bytes"] = shard.stat().st_size
+    (store / "metadata.json").write_text(json.dumps(md))
+    _reseal(store)
+    why = "decompresses to more than" if many else "larger than this process may allocate"
+    _refused(cli("verify", str(store)), str(shard), why)
+    out = tmp_path / "out"
+    _refused(cli("convert", str(store), "--to", "saev", "--out", str(out)), str(shard), why)
+    assert _published(out) == []

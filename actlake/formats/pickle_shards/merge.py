@@ -66,7 +66,7 @@ def merge(inputs: Iterable[str | Path], out: str | Path, *, verify_checksums: bo
         raise ConfigError("merge needs at least one input store")
     if len({p.resolve() for p in paths}) != len(paths):
         raise ConfigError("the same input store is given twice")
-    readers = [PickleReader(p, verify_checksums=verify_checksums) for p in paths]
+    readers = [PickleReader(p) for p in paths]  # a shard they load is checked; linked shards: verify_checksums
     sources = [dict(src, machine_id=r.metadata.distributed_config.get("machine_id"))
                for src, r in zip(_merge_sources(paths), readers)]
     if out.exists():

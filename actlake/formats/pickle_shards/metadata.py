@@ -141,6 +141,15 @@ class PickleMetadata:
         return cls(obj, shards, tuple(layers))
 
 
+def declared_rows(md: PickleMetadata) -> int | None:
+    """The most activation rows an item may hold by metadata.json: actlake's `max_tokens`, else the spec's
+    `extraction_config.max_seq_length` (None when neither is a positive integer)."""
+    for value in ((md.extension or {}).get("max_tokens"), md.extraction_config.get("max_seq_length")):
+        if is_int(value) and value > 0:
+            return int(value)
+    return None
+
+
 def read_metadata(path: Path) -> PickleMetadata:
     """Validated metadata.json of a pickle-shard directory."""
     source = Path(path) / "metadata.json"

@@ -21,8 +21,9 @@ from .layout import (
     is_int,
     layer_key,
 )
-from .metadata import read_metadata, shard_path
+from .metadata import ShardInfo, declared_rows, read_metadata, shard_path
 from .shard_io import ShardContent, check_shard, load_shard_file
+from .shard_io import inflate_cap as shard_inflate_cap
 
 
 class PickleReader(Reader):
@@ -35,7 +36,9 @@ class PickleReader(Reader):
 
     format = FORMAT
 
-    def __init__(self, path: str | Path, *, verify_checksums: bool = False) -> None:
+    def __init__(self, path: str | Path, *, verify_checksums: bool = True) -> None:
+        """`verify_checksums`: each shard's sha256 (metadata.json) is checked over its bytes on disk before it
+        is decompressed or unpickled (False skips that, for a caller that has checked the files already)."""
         self.path = Path(path)
         if not self.path.is_dir():
             raise MissingFileError("not a directory", self.path)
@@ -141,7 +144,8 @@ class PickleReader(Reader):
             self._cache = self._cache_content = None  # drop the old shard before loading the next
             info = self.metadata.shards[k]
             data = load_shard_file(self.files[k], compressed=info.compressed, checksum=info.checksum,
-                                   verify_checksum=self.verify_checksums)
+                                   verify_checksum=self.verify_checksums and info.checksum is not None,
+                                   max_inflated=self.inflate_cap(info))
             content = check_shard(data, info, self.layers, self.d_model, self.files[k])
             if self.d_model is None:
                 self.d_model = content.d_model
@@ -152,6 +156,12 @@ class PickleReader(Reader):
                     item["activation"].flags.writeable = False
             self._cache, self._cache_content, self._cache_index = data, content, k
         return self._cache  # type: ignore[return-value]
+
+    def inflate_cap(self, info: ShardInfo) -> int:
+        """The most bytes shard `info`'s decompressed pickle may hold (`shard_io.inflate_cap`), from the rows and
+        width metadata.json declares (actlake's index, else extraction_config / model_params)."""
+        return shard_inflate_cap(info.num_samples, len(info.layers), declared_rows(self.metadata),
+                                 self.metadata.hidden_size)
 
     def _check_against_index(self, k: int, content: ShardContent) -> None:
         """The items of shard `k` must be the samples the index says, with at least `lengths` rows."""
@@ -310,6 +320,7 @@ def detect(path: Path) -> bool:
     return any(SHARD_FILE_RE.match(p.name) for p in path.iterdir())  # broken metadata: let the reader name it
 
 
-def open_reader(path: Path, *, verify_checksums: bool = False) -> PickleReader:
-    """Format-registry entry point; `verify_checksums` hashes every shard as it is loaded."""
+def open_reader(path: Path, *, verify_checksums: bool = True) -> PickleReader:
+    """Format-registry entry point; `verify_checksums` (default) checks each shard's sha256 before it is
+    decompressed and unpickled."""
     return PickleReader(path, verify_checksums=verify_checksums)

@@ -1,4 +1,5 @@
-"""Shard files of the gzip-pickle format: write with an inline sha256, load with the restricted unpickler, check."""
+"""Shard files of the gzip-pickle format: write with an inline sha256; load after checking that sha256 over the
+bytes on disk, decompressing at most what metadata.json allows, with the restricted unpickler; check."""
 
 from __future__ import annotations
 
@@ -24,8 +25,15 @@ from ...errors import (
     UnsafePickleError,
 )
 from ...safe_pickle import safe_load
-from .layout import CHECKSUM_RE, CHUNK_BYTES, PickleOptions, is_int, layer_key
+from .layout import CHECKSUM_RE, PickleOptions, is_int, layer_key
 from .metadata import ShardInfo
+
+#: inflate_cap's allowances: per item (keys, shape, 200-character preview, metadata), per sample (its full
+#: text, stored once), per shard; and the cap for a store whose metadata.json gives no row count or width
+ITEM_BYTES = 4 << 10
+SAMPLE_BYTES = 1 << 20
+SHARD_BYTES = 1 << 20
+UNKNOWN_SHAPE_BYTES = 8 << 30
 
 
 class _HashingWriter:
@@ -46,32 +54,48 @@ class _HashingWriter:
         self._raw.flush()
 
 
-class _HashingReader:
-    """A read-only file wrapper that hashes every byte read from it."""
+class _Capped:
+    """A read-only stream that delivers at most `cap` bytes in all: a decompression bomb is refused as soon as the
+    unpickler asks for more, before those bytes are inflated (and before a buffer is filled for them)."""
 
-    def __init__(self, raw: IO[bytes]) -> None:
+    def __init__(self, raw: IO[bytes], cap: int, path: Path) -> None:
         self._raw = raw
-        self.sha256 = hashlib.sha256()
+        self._cap = cap
+        self._path = path
+        self.used = 0
 
-    def read(self, n: int = -1) -> bytes:
+    def _refuse(self) -> FormatError:
+        return FormatError(f"decompresses to more than {self._cap} bytes, the most its metadata.json entry "
+                           f"allows (num_samples x layers x rows x hidden, docs/formats/pickle.md); not inflated "
+                           f"further", self._path)
+
+    def _count(self, n: int) -> None:
+        self.used += n
+        if self.used > self._cap:
+            raise self._refuse()
+
+    def read(self, n: int | None = -1) -> bytes:
+        left = self._cap - self.used
+        if n is None or n < 0:
+            n = left + 1  # all of it: at most one byte past the cap, to see whether there is more
+        elif n > left:
+            raise self._refuse()
         data = self._raw.read(n)
-        self.sha256.update(data)
+        self._count(len(data))
         return data
 
     def readinto(self, buf: Any) -> int:
-        n = self._raw.readinto(buf)
-        self.sha256.update(memoryview(buf)[:n])
+        if memoryview(buf).nbytes > self._cap - self.used:
+            raise self._refuse()
+        n = self._raw.readinto(buf)  # type: ignore[attr-defined]
+        self._count(n)
         return n
 
     def readline(self, limit: int = -1) -> bytes:
-        data = self._raw.readline(limit)
-        self.sha256.update(data)
+        left = self._cap - self.used + 1
+        data = self._raw.readline(left if limit is None or limit < 0 else min(limit, left))
+        self._count(len(data))
         return data
-
-    def drain(self) -> None:
-        """Read (and hash) whatever the unpickler left unread."""
-        while self.read(CHUNK_BYTES):
-            pass
 
 
 def write_shard(path: Path, shard: dict[str, Any], options: PickleOptions) -> tuple[int, str]:
@@ -98,38 +122,53 @@ def _dump(obj: Any, f: Any, protocol: int) -> None:
 
 
 def load_shard_file(path: Path, *, compressed: bool, checksum: str | None = None,
-                    verify_checksum: bool = False) -> Any:
-    """Load one shard with the restricted unpickler; typed errors for truncation and corruption."""
-    want = None
+                    verify_checksum: bool = False, max_inflated: int | None = None) -> Any:
+    """Load one shard with the restricted unpickler; typed errors for truncation and corruption.
+
+    `verify_checksum`: the sha256 of the bytes on disk (the compressed ones) must equal `checksum`, checked
+    in one streaming pass before anything is decompressed or unpickled. `max_inflated`: the most bytes
+    the (decompressed) pickle stream may hold; a stream asking for more is refused there, unread beyond it.
+    """
     if verify_checksum:
         m = CHECKSUM_RE.match(checksum or "")
         if m is None:
             raise MetadataError(f"shard has no sha256 checksum to verify (got {checksum!r})", path)
-        want = m.group(1)
     if not path.is_file():
         raise MissingFileError("shard listed in metadata.json is missing", path)
+    if verify_checksum:
+        got = hashing.file_sha256(path)
+        if got != m.group(1):
+            raise HashMismatchError(f"checksum sha256:{got} does not match metadata.json sha256:{m.group(1)}; "
+                                    f"not decompressed or unpickled", path)
     with open(path, "rb") as raw:
-        reader = _HashingReader(raw) if want is not None else None
-        stream: Any = raw if reader is None else reader
         try:
             if compressed:
-                with gzip.GzipFile(fileobj=stream, mode="rb") as gz:
-                    obj = safe_load(gz, source=path)  # type: ignore[arg-type]
-            else:
-                obj = safe_load(stream, source=path)
+                with gzip.GzipFile(fileobj=raw, mode="rb") as gz:
+                    return safe_load(_capped(gz, max_inflated, path), source=path)  # type: ignore[arg-type]
+            return safe_load(_capped(raw, max_inflated, path), source=path)  # type: ignore[arg-type]
         except UnsafePickleError as exc:
             cause = exc.__cause__
             if isinstance(cause, EOFError) or "truncated" in str(cause):
                 raise TruncatedFileError(f"shard ends early ({cause})", path) from exc
             if isinstance(cause, (gzip.BadGzipFile, zlib.error, OSError)):
                 raise FormatError(f"not a valid gzip stream ({cause})", path) from exc
+            if isinstance(cause, MemoryError):
+                raise FormatError("the pickle declares an object larger than this process may allocate; "
+                                  "refused", path) from None
             raise
-        if reader is not None:
-            reader.drain()
-            got = reader.sha256.hexdigest()
-            if got != want:
-                raise HashMismatchError(f"checksum sha256:{got} does not match metadata.json sha256:{want}", path)
-    return obj
+
+
+def _capped(stream: IO[bytes], cap: int | None, path: Path) -> IO[bytes] | _Capped:
+    return stream if cap is None else _Capped(stream, cap, path)
+
+
+def inflate_cap(num_samples: int, n_layers: int, rows: int | None, d_model: int | None) -> int:
+    """The most bytes one shard's pickle may hold: per item its activation (rows x hidden, at 8 bytes a value
+    so float64 items fit too) and ITEM_BYTES of keys, shape and preview; per sample SAMPLE_BYTES for its full
+    text; SHARD_BYTES in all. Without a row count or width from metadata.json: UNKNOWN_SHAPE_BYTES."""
+    if rows is None or d_model is None:
+        return UNKNOWN_SHAPE_BYTES
+    return num_samples * (n_layers * (rows * d_model * 8 + ITEM_BYTES) + SAMPLE_BYTES) + SHARD_BYTES
 
 
 def file_sha256(path: Path) -> str:

@@ -26,8 +26,8 @@ from .layout import (
     layer_key,
     shard_filename,
 )
-from .metadata import PickleMetadata, ShardInfo, read_metadata, shard_path
-from .shard_io import ShardContent, check_shard, load_shard_file
+from .metadata import PickleMetadata, ShardInfo, declared_rows, read_metadata, shard_path
+from .shard_io import ShardContent, check_shard, inflate_cap, load_shard_file
 
 
 def verify(path: Path, *, check_values: bool = True, published_as: Path | None = None) -> list[str]:
@@ -126,7 +126,9 @@ def _verify_shard(f: Path, info: ShardInfo, md: PickleMetadata, d_model: int | N
         problems.append(f"{f}: checksum {info.checksum!r} is not 'sha256:<64 hex>'")
     try:
         data = load_shard_file(f, compressed=info.compressed, checksum=info.checksum,
-                               verify_checksum=info.checksum is not None and CHECKSUM_RE.match(info.checksum) is not None)
+                               verify_checksum=info.checksum is not None and CHECKSUM_RE.match(info.checksum) is not None,
+                               max_inflated=inflate_cap(info.num_samples, len(info.layers), declared_rows(md),
+                                                        md.hidden_size))
         content = check_shard(data, info, md.layers, d_model, f)
     except FormatError as exc:
         problems.append(str(exc))
