@@ -296,8 +296,9 @@ def _opened(store: Path) -> tuple[zl.ZarrReader, object]:
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, N - 1), st.integers(0, L - 1), st.integers(0, P_MAX), st.integers(0, P_MAX))
 def test_chunk_file_reads_match_zarr_for_any_token_range(store: Path, sample: int, li: int, a: int, b: int) -> None:
-    t0, t1 = min(a, b), max(a, b)
     reader, group = _opened(store)
+    n = int(reader.lengths[sample])  # reads ask for real tokens only (chunks entirely in padding may be absent)
+    t0, t1 = min(a, b, n), min(max(a, b), n)
     out = np.full((t1 - t0, H), 7, dtype=np.float16)
     reader._read(zl.PROMPT, sample, li, t0, t1, out)
     assert np.array_equal(out, group["arrays/prompt_activations"][sample, li, t0:t1])
@@ -564,13 +565,42 @@ def test_truncated_chunk_file_is_a_typed_error(tmp_path: Path, store: Path) -> N
     assert any("0.1.0.0" in p and "bytes" in p for p in actlake.verify(bad))
 
 
-def test_missing_chunk_file_reads_as_fill_value(tmp_path: Path, store: Path, data: dict) -> None:
+def test_missing_chunk_file_holding_real_tokens_is_an_error(tmp_path: Path, store: Path, data: dict) -> None:
+    """A chunk holding real tokens is always written, so a missing one was deleted: MissingFileError naming it on
+    every read path, and a verify problem even once checksums.json is written again without it."""
     bad = writable_copy(store, tmp_path / "s.zarr")
-    (bad / "arrays" / "prompt_activations" / "0.1.1.0").unlink()
-    fast, api = zl.ZarrReader(bad), zl.ZarrReader(bad, fast=False)
-    x = fast.get(0, 2)
-    assert np.array_equal(x, api.get(0, 2))
-    assert not x[T_CHUNK : 2 * T_CHUNK].any() and np.array_equal(x[:T_CHUNK], expected_prompt(data, 0, 1)[:T_CHUNK])
+    chunk = bad / "arrays" / "prompt_activations" / "0.1.1.0"
+    chunk.unlink()
+    write_checksums(bad)
+    for reader in (zl.ZarrReader(bad), zl.ZarrReader(bad, fast=False)):
+        with pytest.raises(MissingFileError) as exc:
+            reader.get(0, 2)
+        assert Path(exc.value.path) == chunk
+        with pytest.raises(MissingFileError):
+            reader.batch([1, 0])
+        assert np.array_equal(reader.get(0, 0), expected_prompt(data, 0, 0))  # other chunks still read
+    problems = actlake.verify(bad)
+    assert len(problems) == 1 and str(chunk) in problems[0] and "real tokens" in problems[0]
+
+
+def test_real_chunks_of_zeros_are_written_padding_chunks_are_not(tmp_path: Path) -> None:
+    """zarr-python skips chunks equal to the fill value; the writer and merge still write every chunk holding
+    real tokens (all zeros here), and leave chunks entirely in padding absent."""
+    spec = StoreSpec(layers=(0, 1), d_model=4, max_tokens=6, n_samples=2, model_name="m",
+                     options={"t_chunk_prompt": 2, "r_max": 2})
+    w = zl.create_writer(tmp_path / "w", spec)
+    acts = np.zeros((2, 2, 6, 4), np.float32)
+    acts[1] = 1
+    w.write_batch(Batch(acts_bltd=acts, lengths=np.array([5, 3]), sample_ids=np.arange(2)))
+    run = w.close()
+    merged = zl.merge([run], tmp_path / "m")
+    for store in (run / "activations.zarr", merged):
+        names = set(os.listdir(store / "arrays" / "prompt_activations"))
+        want = {f"{s}.{li}.{c}.0" for s, n in ((0, 5), (1, 3)) for li in (0, 1) for c in range(-(-n // 2))}
+        assert want <= names and "1.0.2.0" not in names and "0.0.2.0" in names  # 5 tokens: 3 chunks of 2
+        z = zarr.open_consolidated(str(store), mode="r")["arrays/prompt_activations"]
+        assert not z[0].any() and z[1, :, :3].all()
+        assert actlake.verify(store) == []
 
 
 def test_compressed_store_falls_back_to_zarr_and_fails_verify(tmp_path: Path, store: Path) -> None:

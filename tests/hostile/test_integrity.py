@@ -185,3 +185,22 @@ def test_gzip_bomb_is_capped(stores: dict[str, Path], tmp_path: Path, many: bool
     out = tmp_path / "out"
     _refused(cli("convert", str(store), "--to", "saev", "--out", str(out)), str(shard), why)
     assert _published(out) == []
+
+
+# ---- 4. a deleted zarr chunk --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("resealed", [False, True], ids=["as-published", "checksums-rewritten"])
+def test_deleted_zarr_chunk(stores: dict[str, Path], tmp_path: Path, resealed: bool) -> None:
+    """Every chunk holding real tokens is written (all-zero ones too), so a missing one was deleted: verify names
+    it even when checksums.json is rewritten without it; a read is a MissingFileError naming it, so convert
+    carries no zeros on and publishes nothing."""
+    store = _copy(stores["zarr"], tmp_path / "s")
+    chunk = store / DATA_FILE["zarr"]
+    chunk.unlink()
+    if resealed:
+        _reseal(store)
+    _refused(cli("verify", str(store)), str(chunk), "holds real tokens")
+    out = tmp_path / "out"
+    _refused(cli("convert", str(store), "--to", "saev", "--out", str(out)), str(chunk), "chunk file is missing")
+    assert _published(out) == []

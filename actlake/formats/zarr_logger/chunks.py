@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import ConfigError, TruncatedFileError
+from ...errors import ConfigError, MissingFileError, TruncatedFileError
 from .layout import FD_CACHE_MAX
 
 
@@ -33,7 +33,7 @@ class FdCache:
     Opening a chunk file costs more than reading it from the page cache, so descriptors stay open
     (at most `capacity`, plus any pinned by reads in flight on other threads). Entries are pinned
     while read, so eviction never closes a descriptor a thread is reading; a fork, pickling or
-    `close()` drops them all. Missing files are cached too (they read as the fill value).
+    `close()` drops them all. Missing files are cached too (a read that needs one raises).
     """
 
     def __init__(self, capacity: int | None = None) -> None:
@@ -112,6 +112,13 @@ class FdCache:
             pass
 
 
+def missing_chunk(path: str | os.PathLike[str], sample: int, li: int, chunk: int, t_chunk: int) -> MissingFileError:
+    """The error for an absent chunk file that holds real tokens (the writer writes every such chunk; only
+    chunks entirely in padding may be absent)."""
+    return MissingFileError(f"chunk file is missing; it holds real tokens (sample {sample}, layer position {li}, "
+                            f"tokens from {chunk * t_chunk}), so it was deleted, not left out as padding", path)
+
+
 @dataclass(frozen=True)
 class ChunkFiles:
     """Direct reads of an uncompressed, C-order, fp16 v2 activation array's chunk files."""
@@ -150,7 +157,8 @@ class ChunkFiles:
     def read(self, sample: int, li: int, t0: int, t1: int, out: np.ndarray) -> None:
         """Fill `out` ((t1 - t0, H) C-contiguous float16) with tokens [t0, t1) of (sample, li).
 
-        One `os.preadv` per chunk straight into `out`, through the reader's descriptor cache.
+        One `os.preadv` per chunk straight into `out`, through the reader's descriptor cache. Reads ask only
+        for real tokens, so every chunk they touch must exist (MissingFileError naming it otherwise).
         """
         tc, row = self.t_chunk, self.hidden * 2
         buf = memoryview(out).cast("B")
@@ -159,8 +167,9 @@ class ChunkFiles:
             c, within = divmod(t, tc)
             rows = min(tc - within, t1 - t)
             pos = (t - t0) * row
-            if not self._pread(self.chunk_path(sample, li, c), buf[pos : pos + rows * row], within * row):
-                out[t - t0 : t - t0 + rows] = 0  # a chunk never written holds the fill value 0
+            path = self.chunk_path(sample, li, c)
+            if not self._pread(path, buf[pos : pos + rows * row], within * row):
+                raise missing_chunk(path, sample, li, c, tc)
             t += rows
 
     def read_rows(self, samples: np.ndarray, li: int, tokens: np.ndarray, out: np.ndarray) -> None:
@@ -176,4 +185,4 @@ class ChunkFiles:
         buf = memoryview(out).cast("B")
         for k, (path, offset) in enumerate(zip(paths, (within * row).tolist())):
             if not self._pread(path, buf[k * row : (k + 1) * row], offset):
-                out[k] = 0
+                raise missing_chunk(path, int(samples[k]), li, int(chunk[k]), self.t_chunk)

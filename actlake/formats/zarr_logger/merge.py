@@ -16,6 +16,7 @@ from .discover import open_reader
 from .layout import (
     ACT_ARRAYS,
     PROMPT,
+    RESPONSE,
     SAMPLE_KEY_BYTES,
     STORE_NAME,
     ZarrLayout,
@@ -26,7 +27,7 @@ from .layout import (
 )
 from .manifest import ZarrManifestReader
 from .reader import ZarrReader
-from .store import Columns, create_act_array, finish_store
+from .store import Columns, create_act_array, finish_store, seal_chunks
 
 #: bytes of activations copied per block
 COPY_BLOCK_BYTES = 64 << 20
@@ -84,8 +85,11 @@ def _merge(paths: list[Path], sources: list[ZarrReaderBase], out: Path) -> Path:
         for r in sources:
             for s in range(0, r.n_samples, step):
                 idx = np.arange(s, min(s + step, r.n_samples))
-                for name in ACT_ARRAYS:
+                for name, lens in ((PROMPT, r.lengths), (RESPONSE, r.response_lengths)):
                     arrays[name][offset + s : offset + s + len(idx)] = r._block(name, idx, lis)
+                    t_chunk = layout.chunks(name)[2]
+                    seal_chunks(tmp / "arrays" / name, offset + s, lens[idx], len(lis), 0, t_chunk,
+                                t_chunk * layout.hidden_size * 2, fsync=False)
             offset += r.n_samples
         pc, rc = (sum(c[k] for c in truncated) for k in (0, 1))
         attrs = dict(_stores(first)[0].meta.attrs)

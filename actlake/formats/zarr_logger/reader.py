@@ -11,7 +11,7 @@ import numpy as np
 
 from ...errors import FormatError, MetadataError, TruncatedFileError
 from .base import ReadTask, ZarrReaderBase, read_threads_for
-from .chunks import ChunkFiles, FdCache
+from .chunks import ChunkFiles, FdCache, missing_chunk
 from .layout import ACT_ARRAYS, META_ARRAYS, NATIVE_F16, REQUIRED_META, zarr_module
 from .meta import ArrayMeta, StoreMeta
 from ...jsonio import read_jsonl
@@ -98,6 +98,20 @@ class ZarrReader(ZarrReaderBase):
         """The zarr array of an activation part (API path)."""
         return self.root["arrays"][part]
 
+    def _require_chunks(self, part: str, reads: list[tuple[int, int, int, int]]) -> None:
+        """Every chunk file the zarr API will read for the real tokens (sample, layer position, t0, t1) of
+        `reads` must exist: zarr would read a missing one as the fill value, silently."""
+        meta = self.meta.arrays[part]
+        sep, ch = meta.separator, meta.chunks
+        folder = self.path / "arrays" / part
+        across_h = range(-(-meta.shape[3] // ch[3]))
+        for sample, li, t0, t1 in reads:
+            for c in range(t0 // ch[2], -(-t1 // ch[2])):
+                for h in across_h:
+                    path = folder / sep.join(map(str, (sample // ch[0], li // ch[1], c, h)))
+                    if not os.path.lexists(path):
+                        raise missing_chunk(path, sample, li, c, ch[2])
+
     def _api_error(self, part: str, what: str, exc: Exception) -> TruncatedFileError:
         return TruncatedFileError(f"chunk of {what} is unreadable: {exc}", self.path / "arrays" / part)
 
@@ -109,6 +123,7 @@ class ZarrReader(ZarrReaderBase):
         if direct is not None:
             direct.read(sample, li, t0, t1, out)
             return
+        self._require_chunks(part, [(sample, li, t0, t1)])
         try:
             out[...] = self._array(part)[sample, li, t0:t1, :]
         except (ValueError, KeyError, TypeError, OSError) as exc:
@@ -122,6 +137,7 @@ class ZarrReader(ZarrReaderBase):
         if direct is None:
             step = max(1, API_COORDS // self.d_model)
             cols = np.arange(self.d_model, dtype=np.int64)[None, :]
+            self._require_chunks(part, [(s, li, t, t + 1) for s, t in zip(samples.tolist(), tokens.tolist())])
             for a in range(0, n, step):
                 s, t = samples[a : a + step, None], tokens[a : a + step, None]
                 try:
@@ -158,6 +174,7 @@ class ZarrReader(ZarrReaderBase):
         for li, group in by_layer.items():
             for a in range(0, len(group), step):
                 block = group[a : a + step]
+                self._require_chunks(part, [(s, li, 0, n) for s, _, n, _ in block])
                 t_max = max(n for _, _, n, _ in block)
                 samples = np.array([s for s, _, _, _ in block], dtype=np.int64)
                 try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ...atomic import write_bytes_atomic
+from ...atomic import fsync_dir, write_bytes_atomic
 from .layout import META_ARRAYS, META_CHUNK, SAMPLE_KEY_BYTES, plain, zarr_module
 
 
@@ -39,6 +40,36 @@ def create_act_array(arrays_group: Any, name: str, shape: tuple[int, ...], chunk
     """An activation array exactly as the spec says: float16, C order, fill 0, no compressor/filters."""
     return arrays_group.create_array(name, shape=shape, chunks=chunks, dtype="float16", fill_value=0,
                                      compressors=None, filters=None, order="C")
+
+
+def seal_chunks(folder: Path, start: int, lengths: np.ndarray, n_layers: int, n_chunks: int, t_chunk: int,
+                chunk_bytes: int, *, fsync: bool) -> None:
+    """Make every chunk holding real tokens of samples start.. start + len(lengths) exist (`lengths` capped at
+    the token axis), and with `fsync` make every chunk file of those samples durable.
+
+    Why: zarr-python does not write a chunk equal to the fill value (write_empty_chunks=False), so real tokens
+    that happen to be all zeros would leave no file, and a reader could not tell that from a deleted chunk. A
+    missing real chunk is created as `chunk_bytes` zeros (a file hole): exactly the bytes zarr would write for
+    it uncompressed. Chunks entirely in padding stay absent (they read as the fill value 0)."""
+    for k, n in enumerate(np.asarray(lengths, dtype=np.int64).tolist()):
+        need = -(-n // t_chunk)
+        for li in range(n_layers):
+            for c in range(n_chunks if fsync else need):
+                path = folder / f"{start + k}.{li}.{c}.0"
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:
+                    if c >= need:
+                        continue  # padding only: absent, as zarr leaves it
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                    os.ftruncate(fd, chunk_bytes)
+                try:
+                    if fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+    if fsync:
+        fsync_dir(folder)
 
 
 def truncation_attrs(prompt_true: np.ndarray, response_true: np.ndarray, p_max: int, r_max: int) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +23,9 @@ from .layout import (
     SHARDS_DIR,
     is_int,
 )
+from .chunks import missing_chunk
 from .manifest import ZarrManifestReader, check_manifest
-from .meta import StoreMeta, read_json
+from .meta import ArrayMeta, StoreMeta, read_json
 from .reader import ZarrReader
 
 _DIGITS = re.compile(r"[0-9]+")
@@ -86,8 +88,14 @@ def _verify_structure(store: Path) -> list[str]:
         return problems + [str(exc)]
     problems += _verify_consolidated(store)
     problems += _verify_attrs(store, meta)
+    try:
+        reader: ZarrReader | None = ZarrReader(store)
+        unreadable = None
+    except FormatError as exc:
+        reader, unreadable = None, str(exc)
     for name in ACT_ARRAYS:
-        problems += _verify_act_array(store, meta, name)
+        lengths = None if reader is None else reader.lengths if name == PROMPT else reader.response_lengths
+        problems += _verify_act_array(store, meta, name, lengths)
     for name, am in meta.arrays.items():
         f = store / "arrays" / name / ".zarray"
         if am.compressor is not None:
@@ -96,11 +104,10 @@ def _verify_structure(store: Path) -> list[str]:
             problems.append(f"{f}: filters {am.filters!r}, the spec allows none (null)")
         if am.order != "C":
             problems.append(f"{f}: order {am.order!r}, expected 'C'")
-    try:
-        reader = ZarrReader(store)
-    except FormatError as exc:
-        return problems + [str(exc)]
+    if reader is None:
+        return problems + [str(unreadable)]
     problems += _verify_values(store, reader)
+    reader.close()
     return problems
 
 
@@ -162,7 +169,9 @@ def _verify_attrs(store: Path, meta: StoreMeta) -> list[str]:
     return problems
 
 
-def _verify_act_array(store: Path, meta: StoreMeta, name: str) -> list[str]:
+def _verify_act_array(store: Path, meta: StoreMeta, name: str, lengths: np.ndarray | None) -> list[str]:
+    """dtype, fill, chunking; every chunk file inside the grid and full size; and (given the sample lengths)
+    every chunk holding real tokens present."""
     am = meta.arrays[name]
     f = store / "arrays" / name / ".zarray"
     problems = []
@@ -182,6 +191,7 @@ def _verify_act_array(store: Path, meta: StoreMeta, name: str) -> list[str]:
     n_chunks = -(-t // am.chunks[2]) if t else 0
     grid = (am.shape[0], am.shape[1], n_chunks, 1)
     chunk_bytes = am.chunks[2] * am.shape[3] * 2
+    present = array("q")  # flat ids of the chunk files found: O(files), 8 bytes each
     for dirpath, _, filenames in os.walk(folder):
         for fname in filenames:
             if fname.startswith("."):
@@ -191,10 +201,46 @@ def _verify_act_array(store: Path, meta: StoreMeta, name: str) -> list[str]:
             if len(key) != 4 or not all(_DIGITS.fullmatch(k) for k in key) or any(int(k) >= g for k, g in zip(key, grid)):
                 problems.append(f"{folder / rel}: not a chunk of the ({', '.join(map(str, grid))}) chunk grid")
                 continue
+            present.append((int(key[0]) * grid[1] + int(key[1])) * n_chunks + int(key[2]))
             size = os.path.getsize(os.path.join(dirpath, fname))
             if size != chunk_bytes:
                 problems.append(f"{os.path.join(dirpath, fname)}: chunk file has {size} bytes, expected {chunk_bytes}")
+    if lengths is not None and n_chunks:
+        problems += _missing_real_chunks(folder, am, np.asarray(lengths, dtype=np.int64), n_chunks,
+                                         np.sort(np.frombuffer(present, dtype=np.int64)))
     return problems
+
+
+def _missing_real_chunks(folder: Path, am: ArrayMeta, lengths: np.ndarray, n_chunks: int, present: np.ndarray,
+                         named: int = 10) -> list[str]:
+    """Chunks holding real tokens (chunk c of a sample with c * T_chunk < its length, every layer) that have no
+    file: the first `named` as MissingFileError messages, then a count. Computed a block of samples at a time
+    against the sorted ids of the files found (bounded memory)."""
+    n_layers, t_chunk = am.shape[1], am.chunks[2]
+    need = -(-lengths // t_chunk)
+    out: list[str] = []
+    total = 0
+    block = max(1, (1 << 20) // max(1, n_layers * n_chunks))
+    for start in range(0, len(need), block):
+        seg = need[start : start + block]
+        counts = seg * n_layers
+        size = int(counts.sum())
+        if not size:
+            continue
+        sample = np.repeat(np.arange(start, start + len(seg), dtype=np.int64), counts)
+        per = np.repeat(seg, counts)
+        j = np.arange(size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        layer, chunk = j // per, j % per
+        flat = (sample * n_layers + layer) * n_chunks + chunk
+        pos = np.minimum(np.searchsorted(present, flat), max(len(present) - 1, 0))
+        lost = np.flatnonzero(present[pos] != flat) if len(present) else np.arange(size)
+        total += len(lost)
+        for k in lost[: max(0, named - len(out))].tolist():
+            key = am.separator.join(map(str, (int(sample[k]), int(layer[k]), int(chunk[k]), 0)))
+            out.append(str(missing_chunk(folder / key, int(sample[k]), int(layer[k]), int(chunk[k]), t_chunk)))
+    if total > len(out):
+        out.append(f"{folder}: {total - len(out)} more chunk files holding real tokens are missing")
+    return out
 
 
 def _verify_values(store: Path, reader: ZarrReader) -> list[str]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ...atomic import WriterLock, fsync_dir, remove_tree, write_json_atomic
+from ...atomic import WriterLock, remove_tree, write_json_atomic
 from ...batch import Batch
 from ...errors import ConfigError, FormatError, MetadataError
 from ...spec import StoreSpec
@@ -35,7 +35,7 @@ from .layout import (
     zarr_module,
 )
 from .manifest import write_manifest
-from .store import Columns, create_act_array, finish_store, truncation_attrs
+from .store import Columns, create_act_array, finish_store, seal_chunks, truncation_attrs
 
 _PART_RE = re.compile(r"^part-(\d{12})-(\d{12})\.json$")
 _CHUNK_SAMPLE_RE = re.compile(r"^([0-9]+)\.")
@@ -188,7 +188,7 @@ class ZarrWriter(Writer):
             self._arrays[PROMPT][start : start + b] = self._fixed(batch.acts_bltd, lengths, lay.p_max)
             if batch.response_bltd is not None:
                 self._arrays[RESPONSE][start : start + b] = self._fixed(batch.response_bltd, r_lengths, lay.r_max)
-            self._fsync_chunks(start, start + b)
+            self._fsync_chunks(start, lengths, r_lengths)
         write_json_atomic(self.store_tmp / PARTS_DIR / f"part-{start:012d}-{start + b:012d}.json", part, indent=None)
         self._next += b
 
@@ -221,25 +221,14 @@ class ZarrWriter(Writer):
             "extra": rows,
         }
 
-    def _fsync_chunks(self, start: int, stop: int) -> None:
-        """Make the chunk files of samples [start, stop) durable before their part file is recorded."""
+    def _fsync_chunks(self, start: int, lengths: np.ndarray, r_lengths: np.ndarray) -> None:
+        """Make the chunk files of samples [start, start + B) durable before their part file is recorded, every
+        chunk holding real tokens included (`store.seal_chunks`: zarr skips all-zero ones)."""
         lay = self.layout
-        n_layers = len(lay.layers)
-        for name in ACT_ARRAYS:
-            folder = self.store_tmp / "arrays" / name
-            n_chunks = -(-lay.shape(name)[2] // lay.chunks(name)[2])
-            for s in range(start, stop):
-                for li in range(n_layers):
-                    for c in range(n_chunks):
-                        try:
-                            fd = os.open(folder / f"{s}.{li}.{c}.0", os.O_RDONLY)
-                        except FileNotFoundError:
-                            continue  # an all-zero chunk is not stored (fill value)
-                        try:
-                            os.fsync(fd)
-                        finally:
-                            os.close(fd)
-            fsync_dir(folder)
+        for name, lens, cap in ((PROMPT, lengths, lay.p_max), (RESPONSE, r_lengths, lay.r_max)):
+            t_chunk = lay.chunks(name)[2]
+            seal_chunks(self.store_tmp / "arrays" / name, start, np.minimum(lens, cap), len(lay.layers),
+                        -(-lay.shape(name)[2] // t_chunk), t_chunk, t_chunk * lay.hidden_size * 2, fsync=True)
 
     def _columns(self) -> tuple[Columns, dict[str, Any]]:
         """Every part file, in order, as columns plus the truncation record."""
