@@ -204,3 +204,43 @@ def test_deleted_zarr_chunk(stores: dict[str, Path], tmp_path: Path, resealed: b
     out = tmp_path / "out"
     _refused(cli("convert", str(store), "--to", "saev", "--out", str(out)), str(chunk), "chunk file is missing")
     assert _published(out) == []
+
+
+# ---- 5. NaN / Inf in zarr and lmprobe ----------------------------------------------------------------------------
+
+#: little-endian bit patterns of NaN and +Inf per safetensors / numpy dtype
+NON_FINITE = {"F16": {"nan": b"\x00\x7e", "inf": b"\x00\x7c"}, "BF16": {"nan": b"\xc0\x7f", "inf": b"\x80\x7f"},
+              "F32": {"nan": b"\x00\x00\xc0\x7f", "inf": b"\x00\x00\x80\x7f"}}
+
+
+def _poison_lmprobe(store: Path, what: str) -> Path:
+    """One value of the hidden-state tensor replaced, located with plain struct + json (the safetensors layout)."""
+    import struct
+
+    f = store / DATA_FILE["lmprobe"]
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    entry = next(v for k, v in header.items() if k != "__metadata__")
+    value = NON_FINITE[entry["dtype"]][what]
+    at = 8 + n + entry["data_offsets"][0] + 3 * len(value)
+    f.write_bytes(raw[:at] + value + raw[at + len(value) :])
+    return f
+
+
+def _poison_zarr(store: Path, what: str) -> Path:
+    f = store / DATA_FILE["zarr"]
+    raw = f.read_bytes()
+    f.write_bytes(NON_FINITE["F16"][what] + raw[2:])
+    return f
+
+
+@pytest.mark.parametrize("what", ["nan", "inf"])
+@pytest.mark.parametrize("fmt, poison", [("zarr", _poison_zarr), ("lmprobe", _poison_lmprobe)])
+def test_non_finite_values(stores: dict[str, Path], tmp_path: Path, fmt: str, poison, what: str) -> None:
+    """verify reads every value once (the checksums pass, in blocks) and names the file holding a NaN or Inf,
+    even with checksums.json rewritten over it."""
+    store = _copy(stores[fmt], tmp_path / "s")
+    victim = poison(store, what)
+    _reseal(store)
+    _refused(cli("verify", str(store)), str(victim), "non-finite value (NaN or Inf)")

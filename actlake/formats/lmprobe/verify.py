@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import numpy as np
 from actlake.atomic import resolve_inside
 from actlake.checksums import store_findings
 from actlake.errors import FormatError, UnsafePathError
+from actlake.finite import FiniteCheck, FloatRegion
 from actlake.formats.lmprobe.descriptors import HiddenDescriptor, LogitsDescriptor
 from actlake.formats.lmprobe.index import (
     check_columns,
@@ -44,11 +46,18 @@ def verify(path: Path, *, published_as: Path | None = None) -> list[str]:
     against checksums.json in one streaming pass. (`published_as`, the final path of a temporary directory
     verified before its rename, changes nothing here: no name is checked.)"""
     path = Path(path)
-    return list(dict.fromkeys(_verify_structure(path) + store_findings(path)))
+    checks: dict[str, FiniteCheck] = {}
+    problems = _verify_structure(path, checks)
+    return list(dict.fromkeys(problems + store_findings(path, inspector_for=checks.get)))
 
 
-def _verify_structure(path: Path) -> list[str]:
-    """The index, descriptors, addressing and shard headers against the spec."""
+#: safetensors dtype code -> finite.KINDS element kind (hidden-state tensors)
+_FLOAT_KINDS = {"F16": "f2", "BF16": "bf16", "F32": "f4", "F64": "f8"}
+
+
+def _verify_structure(path: Path, checks: dict[str, FiniteCheck]) -> list[str]:
+    """The index, descriptors, addressing and shard headers against the spec; `checks` gets, per hidden-state
+    file (relative path), the NaN / Inf check of its tensor for the checksums pass."""
     index = path / INDEX_PATH
     try:
         info, _ = read_index_metadata(index)
@@ -81,7 +90,7 @@ def _verify_structure(path: Path) -> list[str]:
         problems.append(str(exc))
     expected: set[Path] = set()
     try:
-        _check_hidden_files(problems, path, index, hidden, expected)
+        _check_hidden_files(problems, path, index, hidden, expected, checks)
         if logits is not None:
             _check_logits(problems, path, index, table, tensors["logits_topk"], logits, expected)
     except UnsafePathError as exc:
@@ -155,8 +164,9 @@ def _check_addressing(problems: _Problems, index: Path, table: Any, hidden: Hidd
 
 
 def _check_hidden_files(problems: _Problems, path: Path, index: Path, hidden: HiddenDescriptor,
-                        expected: set[Path]) -> None:
-    """Every (layer, shard) file inside the root, with the key_pattern tensor of the described dtype and shape."""
+                        expected: set[Path], checks: dict[str, FiniteCheck]) -> None:
+    """Every (layer, shard) file inside the root, with the key_pattern tensor of the described dtype and shape;
+    a well-formed tensor's values are checked for NaN / Inf in the checksums pass (`checks`)."""
     code = HIDDEN_DTYPES[hidden.dtype][0]
     for layer in hidden.layers:
         for shard, rows_n in enumerate(hidden.shard_tokens):
@@ -173,6 +183,11 @@ def _check_hidden_files(problems: _Problems, path: Path, index: Path, hidden: Hi
                 problems.bad(f, f"tensor {key!r} is missing (key_pattern {hidden.key_pattern!r})")
             elif t.code != code or t.shape != (rows_n, hidden.dim):
                 problems.bad(f, f"tensor {key!r} is {t.code} {list(t.shape)}, expected {code} {[rows_n, hidden.dim]}")
+            elif t.code in _FLOAT_KINDS:
+                rel = os.path.relpath(f, path.resolve()).replace(os.sep, "/")
+                row = t.nbytes // max(1, rows_n)
+                checks[rel] = FiniteCheck(f, [FloatRegion(t.start, t.start + t.nbytes, _FLOAT_KINDS[t.code],
+                                                          f"tensor {key!r}", row)])
 
 
 def _check_logits(problems: _Problems, path: Path, index: Path, table: Any, raw: dict[str, Any],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 from array import array
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import numpy as np
 from ...atomic import resolve_inside
 from ...checksums import store_findings
 from ...errors import FormatError, MissingFileError
+from ...finite import FiniteCheck, FloatRegion
 from .discover import is_sharded_run, store_dir
 from .layout import (
     ACT_ARRAYS,
@@ -25,7 +27,7 @@ from .layout import (
 )
 from .chunks import missing_chunk
 from .manifest import ZarrManifestReader, check_manifest
-from .meta import ArrayMeta, StoreMeta, read_json
+from .meta import ArrayMeta, StoreMeta, np_dtype, read_json
 from .reader import ZarrReader
 
 _DIGITS = re.compile(r"[0-9]+")
@@ -70,8 +72,31 @@ def _verify_run(run: Path) -> list[str]:
 
 
 def _verify_store(store: Path) -> list[str]:
-    """The spec's invariants of one store, then its files against checksums.json."""
-    return list(dict.fromkeys(_verify_structure(store) + store_findings(store)))
+    """The spec's invariants of one store, then its files against checksums.json, the activation chunks
+    checked for NaN / Inf in the same streaming pass."""
+    problems = _verify_structure(store)
+    try:
+        inspect = _value_checks(store, StoreMeta.load(store))
+    except FormatError:
+        inspect = None  # already reported
+    return list(dict.fromkeys(problems + store_findings(store, inspector_for=inspect)))
+
+
+def _value_checks(store: Path, meta: StoreMeta) -> Callable[[str], FiniteCheck | None]:
+    """Inspectors of the checksums pass: every chunk file of an uncompressed little-endian fp16 activation
+    array must hold finite values (padding rows included: they are zeros)."""
+    arrays = {name: meta.arrays[name] for name in ACT_ARRAYS
+              if meta.arrays[name].uncompressed and np_dtype(meta.arrays[name].dtype, store) == np.dtype("<f2")}
+
+    def inspector(rel: str) -> FiniteCheck | None:
+        parts = rel.split("/")
+        am = arrays.get(parts[1]) if len(parts) > 2 and parts[0] == "arrays" else None
+        if am is None or parts[-1].startswith("."):
+            return None
+        row = am.shape[3] * 2
+        return FiniteCheck(store / rel, [FloatRegion(0, am.chunks[2] * row, "f2", "activations", row, "token row")])
+
+    return inspector
 
 
 def _verify_structure(store: Path) -> list[str]:
