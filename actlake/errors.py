@@ -11,7 +11,9 @@ class ActlakeError(Exception):
     def __init__(self, message: str, path: str | Path | None = None) -> None:
         self.path = None if path is None else Path(path)
         self.problem = message
-        super().__init__(f"{self.path}: {message}" if self.path is not None else message)
+        # an object-store URL (s3://...) is named as given: Path() would fold its "//"
+        where = path if isinstance(path, str) and "://" in path else self.path
+        super().__init__(f"{where}: {message}" if where is not None else message)
 
 
 class FormatError(ActlakeError):
@@ -48,6 +50,11 @@ class UnsafePathError(FormatError):
 
 class UnsafePickleError(FormatError):
     """A pickle tried to load something the restricted unpickler does not admit."""
+
+
+class IncompleteUploadError(MissingFileError):
+    """A remote store has no checksums.json: its upload never finished (checksums.json is uploaded last, as the
+    commit marker), so it is refused."""
 
 
 class DuplicateSampleError(MetadataError):

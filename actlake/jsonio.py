@@ -35,7 +35,12 @@ def read_jsonl(path: Path, *, max_bytes: int = MAX_JSON_BYTES) -> list[Any]:
     if size > max_bytes:
         raise MetadataError(f"{size} bytes is more than a JSON-lines file may hold ({max_bytes})", path)
     with open(path, "rb") as f:
-        return [parse_json(line, path, f"line {n}") for n, line in enumerate(f.read(max_bytes + 1).splitlines(), 1)]
+        return parse_jsonl(f.read(max_bytes + 1), path)
+
+
+def parse_jsonl(data: bytes, source: Path) -> list[Any]:
+    """One parsed value per line of UTF-8 JSON-lines bytes read from `source` (errors name file and line)."""
+    return [parse_json(line, source, f"line {n}") for n, line in enumerate(data.splitlines(), 1)]
 
 
 def read_json(path: Path, *, max_bytes: int = MAX_JSON_BYTES) -> Any:

@@ -24,15 +24,16 @@ REQUIRED_INFO: dict[str, type] = {
 }
 
 
-def read_index_metadata(index_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the `lmprobe:` info dict, actlake's own dict) from the parquet footer, JSON-decoded."""
+def read_index_metadata(index_path: Path, filesystem: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the `lmprobe:` info dict, actlake's own dict) from the parquet footer, JSON-decoded. `filesystem`: an
+    fsspec filesystem `index_path` lies on (a remote store; the caller has checked that the file exists)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    if not index_path.is_file():
+    if filesystem is None and not index_path.is_file():
         raise MissingFileError("parquet index is missing", index_path)
     try:
-        schema = pq.read_schema(index_path)
+        schema = pq.read_schema(str(index_path) if filesystem else index_path, filesystem=filesystem)
     except (pa.ArrowException, OSError) as exc:
         raise FormatError(f"not a readable parquet file: {exc}", index_path) from None
     info: dict[str, Any] = {}
@@ -50,13 +51,14 @@ def read_index_metadata(index_path: Path) -> tuple[dict[str, Any], dict[str, Any
     return info, ours
 
 
-def read_index_table(index_path: Path) -> Any:
-    """The whole parquet index as a pyarrow Table (a typed error naming the file if unreadable)."""
+def read_index_table(index_path: Path, filesystem: Any = None) -> Any:
+    """The whole parquet index as a pyarrow Table (a typed error naming the file if unreadable); `filesystem` as
+    for read_index_metadata."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        return pq.read_table(index_path)
+        return pq.read_table(str(index_path) if filesystem else index_path, filesystem=filesystem)
     except (pa.ArrowException, OSError) as exc:
         raise FormatError(f"not a readable parquet file: {exc}", index_path) from None
 

@@ -68,14 +68,19 @@ class LmprobeReader(Reader):
         if not self.path.is_dir():
             raise MissingFileError("not a directory", self.path)
         self.index_path = self.path / INDEX_PATH
-        self.info, self.actlake_meta = read_index_metadata(self.index_path)
+        self._open_index(read_index_metadata, read_index_table)
+
+    def _open_index(self, read_metadata: Any, read_table: Any) -> None:
+        """Parse and check the index (`read_metadata(path)`, `read_table(path)` read it), then find every shard
+        it describes (`_shard_file`, `_file_size`) before anything is read from them."""
+        self.info, self.actlake_meta = read_metadata(self.index_path)
         check_info(self.info, self.index_path)
         tensors = self.info["tensors"]
         if "hidden_layers" not in tensors:
             raise MetadataError("tensors has no hidden_layers descriptor", self.index_path)
         self.hidden = h = HiddenDescriptor.parse(tensors["hidden_layers"], self.index_path)
         self.logits_desc = LogitsDescriptor.parse(tensors["logits_topk"], self.index_path) if "logits_topk" in tensors else None
-        self.table = read_index_table(self.index_path)
+        self.table = read_table(self.index_path)
         problems = check_columns(self.table, h, self.logits_desc)
         if problems:
             raise MetadataError(problems[0], self.index_path)
@@ -100,13 +105,13 @@ class LmprobeReader(Reader):
         self._files: dict[tuple[int, int], Path] = {}
         for layer in h.layers:
             for shard in range(len(h.shard_prompts)):
-                self._files[(layer, shard)] = resolve_inside(self.path, h.file(layer, shard), source=self.index_path)
+                self._files[(layer, shard)] = self._shard_file(h.file(layer, shard))
         self._logits_files: list[Path] = []
         if self.logits_desc is not None:
-            self._logits_files = [resolve_inside(self.path, self.logits_desc.file(s), source=self.index_path)
+            self._logits_files = [self._shard_file(self.logits_desc.file(s))
                                   for s in range(len(self.logits_desc.shard_prompts))]
         for f in list(self._files.values()) + self._logits_files:
-            if not f.is_file():
+            if self._file_size(f) is None:
                 raise MissingFileError("shard described by the index is missing", f)
         self._check_sizes()
         self._maps: dict[tuple[int, int], tuple[np.ndarray, TensorInfo]] = {}
@@ -137,10 +142,26 @@ class LmprobeReader(Reader):
         row = h.dim * HIDDEN_DTYPES[h.dtype][1]
         for (layer, shard), f in self._files.items():
             need = h.shard_tokens[shard] * row
-            size = f.stat().st_size
+            size = self._file_size(f)
             if size < need:
                 raise TruncatedFileError(f"{size} bytes cannot hold the {h.shard_tokens[shard]} x {h.dim} "
                                          f"{h.dtype} rows the index describes ({need} bytes)", f)
+
+    def _shard_file(self, relative: str) -> Path:
+        """A shard file the index names, refused if it escapes the dataset directory."""
+        return resolve_inside(self.path, relative, source=self.index_path)
+
+    def _file_size(self, f: Path) -> int | None:
+        """Size of a shard file in bytes (None: absent)."""
+        return f.stat().st_size if f.is_file() else None
+
+    def _header(self, f: Path) -> dict[str, TensorInfo]:
+        """The checked safetensors header of a shard file."""
+        return read_safetensors_header(f)
+
+    def _map(self, f: Path, info: TensorInfo) -> Any:
+        """The rows of one tensor (a read-only memmap; a remote reader reads byte ranges)."""
+        return map_tensor(f, info)
 
     def _max_tokens(self) -> int:
         """Longest stored prompt (1 for pooled), or actlake's declared max_tokens when larger and sane."""
@@ -169,7 +190,7 @@ class LmprobeReader(Reader):
     def _map_hidden(self, layer: int, shard: int) -> tuple[np.ndarray, TensorInfo]:
         h = self.hidden
         path = self._files[(layer, shard)]
-        header = read_safetensors_header(path)
+        header = self._header(path)
         key = h.key(layer)
         info = header.get(key)
         if info is None:
@@ -178,7 +199,7 @@ class LmprobeReader(Reader):
         want = (h.shard_tokens[shard], h.dim)
         if info.code != code or info.shape != want:
             raise FormatError(f"tensor {key!r} is {info.code} {list(info.shape)}, the index says {code} {list(want)}", path)
-        return map_tensor(path, info), info
+        return self._map(path, info), info
 
     def _decode(self, raw: np.ndarray) -> np.ndarray:
         """Stored rows as `self.dtype` (a copy; bfloat16 widened to float32)."""
@@ -346,7 +367,7 @@ class LmprobeReader(Reader):
     def _logits_tensors(self, shard: int, path: Path) -> tuple[np.ndarray, np.ndarray]:
         """(values, indices) memmaps of one logits shard: the spec keys, else upstream's aliases."""
         assert self.logits_desc is not None
-        header = read_safetensors_header(path)
+        header = self._header(path)
         n, k = self.logits_desc.shard_prompts[shard], self.logits_desc.k
         out = []
         for key, alias, codes in ((LOGITS_VALUES_KEY, UPSTREAM_VALUES_KEY, LOGITS_VALUE_CODES),
@@ -358,7 +379,7 @@ class LmprobeReader(Reader):
                 raise FormatError(f"logits tensor {info.key!r} has shape {list(info.shape)}, expected {[n, k]}", path)
             if info.code not in codes:
                 raise FormatError(f"logits tensor {info.key!r} has dtype {info.code}, expected one of {codes}", path)
-            out.append(map_tensor(path, info))
+            out.append(np.asarray(self._map(path, info)))
         return out[0], out[1]
 
     def _batch_meta(self, idx: np.ndarray, acts: np.ndarray, lengths: np.ndarray) -> Batch:

@@ -147,10 +147,25 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     if size < 8:
         raise TruncatedFileError(f"{size} bytes: too short for a safetensors header", path)
     with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-            raise TruncatedFileError(f"header length {header_len} does not fit in the file ({size} bytes)", path)
-        raw = f.read(header_len)
+        header_len = header_length(f.read(8), size, path)
+        return parse_safetensors_header(f.read(header_len), size, path)
+
+
+def header_length(first8: bytes, size: int, path: Path | str) -> int:
+    """The header length a safetensors file of `size` bytes declares in its first 8 bytes, checked against the
+    cap (MAX_HEADER_BYTES) and the file size before anything of that length is read."""
+    if size < 8 or len(first8) < 8:
+        raise TruncatedFileError(f"{size} bytes: too short for a safetensors header", path)
+    (header_len,) = struct.unpack("<Q", first8[:8])
+    if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+        raise TruncatedFileError(f"header length {header_len} does not fit in the file ({size} bytes)", path)
+    return int(header_len)
+
+
+def parse_safetensors_header(raw: bytes, size: int, path: Path | str) -> dict[str, TensorInfo]:
+    """The tensors of a header JSON `raw` (read after the 8 length bytes) of a file of `size` bytes, each checked
+    against its dtype, shape and the file's size."""
+    header_len = len(raw)
     header = parse_json(raw, path, "the safetensors header")
     if not isinstance(header, dict):
         raise FormatError("safetensors header is not a JSON object", path)

@@ -42,17 +42,17 @@ class PickleReader(Reader):
         self.path = Path(path)
         if not self.path.is_dir():
             raise MissingFileError("not a directory", self.path)
-        self.metadata = md = read_metadata(self.path)
+        self._open_store(read_metadata(self.path), verify_checksums)
+
+    def _open_store(self, md: Any, verify_checksums: bool) -> None:
+        """Build the index from validated metadata.json (`_shard_file` finds and size-checks each shard)."""
+        self.metadata = md
         self.verify_checksums = verify_checksums
         self.layers = md.layers
         self.dtype = np.dtype(np.float32)
         self.files = []
         for info in md.shards:
-            f = shard_path(self.path, info)
-            if not f.is_file():
-                raise MissingFileError("shard listed in metadata.json is missing", f)
-            if f.stat().st_size != info.size_bytes:
-                raise TruncatedFileError(f"size {f.stat().st_size} bytes, metadata.json says {info.size_bytes}", f)
+            f = self._shard_file(info)
             if set(info.layers) != set(md.layers):
                 raise MetadataError(f"shard {info.filename} holds layers {list(info.layers)}; this reader needs every "
                                     f"shard to hold every extracted layer {list(md.layers)}", self.path / "metadata.json")
@@ -132,6 +132,21 @@ class PickleReader(Reader):
         self.max_tokens = max(max_rows, max_seq, 1)
 
     # ---- shards ----
+    def _shard_file(self, info: ShardInfo) -> Path:
+        """The file of one shard entry, which must exist with the size metadata.json records."""
+        f = shard_path(self.path, info)
+        if not f.is_file():
+            raise MissingFileError("shard listed in metadata.json is missing", f)
+        if f.stat().st_size != info.size_bytes:
+            raise TruncatedFileError(f"size {f.stat().st_size} bytes, metadata.json says {info.size_bytes}", f)
+        return f
+
+    def _load_shard(self, k: int, info: ShardInfo) -> Any:
+        """The unpickled content of shard `k` (its sha256 checked first, decompression capped)."""
+        return load_shard_file(self.files[k], compressed=info.compressed, checksum=info.checksum,
+                               verify_checksum=self.verify_checksums and info.checksum is not None,
+                               max_inflated=self.inflate_cap(info))
+
     def locate(self, sample: int) -> tuple[int, int]:
         """(shard position in metadata order, item within that shard) of a sample position."""
         s = self.check_sample(sample)
@@ -143,9 +158,7 @@ class PickleReader(Reader):
         if self._cache_index != k:
             self._cache = self._cache_content = None  # drop the old shard before loading the next
             info = self.metadata.shards[k]
-            data = load_shard_file(self.files[k], compressed=info.compressed, checksum=info.checksum,
-                                   verify_checksum=self.verify_checksums and info.checksum is not None,
-                                   max_inflated=self.inflate_cap(info))
+            data = self._load_shard(k, info)
             content = check_shard(data, info, self.layers, self.d_model, self.files[k])
             if self.d_model is None:
                 self.d_model = content.d_model

@@ -129,33 +129,48 @@ def load_shard_file(path: Path, *, compressed: bool, checksum: str | None = None
     in one streaming pass before anything is decompressed or unpickled. `max_inflated`: the most bytes
     the (decompressed) pickle stream may hold; a stream asking for more is refused there, unread beyond it.
     """
-    if verify_checksum:
-        m = CHECKSUM_RE.match(checksum or "")
-        if m is None:
-            raise MetadataError(f"shard has no sha256 checksum to verify (got {checksum!r})", path)
+    want = expected_sha256(checksum, path) if verify_checksum else None
     if not path.is_file():
         raise MissingFileError("shard listed in metadata.json is missing", path)
-    if verify_checksum:
-        got = hashing.file_sha256(path)
-        if got != m.group(1):
-            raise HashMismatchError(f"checksum sha256:{got} does not match metadata.json sha256:{m.group(1)}; "
-                                    f"not decompressed or unpickled", path)
+    if want is not None:
+        check_sha256(hashing.file_sha256(path), want, path)
     with open(path, "rb") as raw:
-        try:
-            if compressed:
-                with gzip.GzipFile(fileobj=raw, mode="rb") as gz:
-                    return safe_load(_capped(gz, max_inflated, path), source=path)  # type: ignore[arg-type]
-            return safe_load(_capped(raw, max_inflated, path), source=path)  # type: ignore[arg-type]
-        except UnsafePickleError as exc:
-            cause = exc.__cause__
-            if isinstance(cause, EOFError) or "truncated" in str(cause):
-                raise TruncatedFileError(f"shard ends early ({cause})", path) from exc
-            if isinstance(cause, (gzip.BadGzipFile, zlib.error, OSError)):
-                raise FormatError(f"not a valid gzip stream ({cause})", path) from exc
-            if isinstance(cause, MemoryError):
-                raise FormatError("the pickle declares an object larger than this process may allocate; "
-                                  "refused", path) from None
-            raise
+        return load_shard_stream(raw, path, compressed=compressed, max_inflated=max_inflated)
+
+
+def expected_sha256(checksum: str | None, path: Path | str) -> str:
+    """The hex digest of a shard entry's `sha256:<hex>` checksum (MetadataError when it has none)."""
+    m = CHECKSUM_RE.match(checksum or "")
+    if m is None:
+        raise MetadataError(f"shard has no sha256 checksum to verify (got {checksum!r})", path)
+    return m.group(1)
+
+
+def check_sha256(got: str, want: str, path: Path | str) -> None:
+    """HashMismatchError naming the shard when the sha256 of its bytes is not the one metadata.json records."""
+    if got != want:
+        raise HashMismatchError(f"checksum sha256:{got} does not match metadata.json sha256:{want}; "
+                                f"not decompressed or unpickled", path)
+
+
+def load_shard_stream(raw: IO[bytes], path: Path, *, compressed: bool, max_inflated: int | None = None) -> Any:
+    """Decompress (capped at `max_inflated`) and unpickle, with the restricted unpickler, one shard's bytes
+    read from `raw` (a file, or the checked bytes of a remote shard); typed errors name `path`."""
+    try:
+        if compressed:
+            with gzip.GzipFile(fileobj=raw, mode="rb") as gz:
+                return safe_load(_capped(gz, max_inflated, path), source=path)  # type: ignore[arg-type]
+        return safe_load(_capped(raw, max_inflated, path), source=path)  # type: ignore[arg-type]
+    except UnsafePickleError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, EOFError) or "truncated" in str(cause):
+            raise TruncatedFileError(f"shard ends early ({cause})", path) from exc
+        if isinstance(cause, (gzip.BadGzipFile, zlib.error, OSError)):
+            raise FormatError(f"not a valid gzip stream ({cause})", path) from exc
+        if isinstance(cause, MemoryError):
+            raise FormatError("the pickle declares an object larger than this process may allocate; "
+                              "refused", path) from None
+        raise
 
 
 def _capped(stream: IO[bytes], cap: int | None, path: Path) -> IO[bytes] | _Capped:

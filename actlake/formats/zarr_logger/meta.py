@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -121,8 +121,13 @@ class StoreMeta:
         """Parse `.zmetadata`; raise a typed error naming the file on the first problem."""
         if not path.is_dir():
             raise MissingFileError("not a directory", path)
+        return cls.from_consolidated(path, read_json(path / ".zmetadata"), lambda key: (path / key).is_file())
+
+    @classmethod
+    def from_consolidated(cls, path: Path, zmeta: Any, has_file: Callable[[str], bool]) -> "StoreMeta":
+        """Validate parsed `.zmetadata` of the store at `path`; `has_file(key)`: whether the store holds the file
+        `key` (e.g. "arrays/prompt_activations/.zarray"), so a remote store is checked the same way."""
         zmeta_path = path / ".zmetadata"
-        zmeta = read_json(zmeta_path)
         if not isinstance(zmeta, dict) or not isinstance(zmeta.get("metadata"), dict):
             raise MetadataError("consolidated metadata must hold an object with 'metadata'", zmeta_path)
         entries = zmeta["metadata"]
@@ -145,7 +150,7 @@ class StoreMeta:
                     raise MissingFileError(f"required array arrays/{name} is not in the consolidated metadata", zmeta_path)
                 continue
             zarray = path / key
-            if not zarray.is_file():
+            if not has_file(key):
                 raise MissingFileError(f"required file {zarray.name} is missing", zarray)
             arrays[name] = ArrayMeta.from_json(name, entries[key], zarray)
         prompt, response = arrays[PROMPT], arrays[RESPONSE]
