@@ -84,7 +84,15 @@ def resolve_run_arg(value: str | Path) -> Path:
 
 
 def resolve_shards_arg(value: str | Path) -> Path:
-    """`--shards` value -> directory: a path as given; a bare name missing here is a shard hash under shards_root()."""
+    """`--shards` value -> directory: a path as given; a bare name missing here is a shard hash under shards_root();
+    a URL of a remote saev store (s3://...) its local cache, `$ACTLAKE_CACHE/saev/shards/<hash>` (docs/remote.md)."""
+    from .remote.url import is_url, local_path
+
+    if is_url(value):
+        from .remote.cache import cached_saev
+
+        return cached_saev(str(value))
+    value = local_path(value)
     p = Path(value).expanduser()
     if isinstance(value, str) and _bare_name(value) and not p.exists() and (shards_root() / value).exists():
         return shards_root() / value

@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="dataset: .txt/.jsonl/.parquet file, load_from_disk dir, image folder, or builtin:stdlib-docs")
     p.add_argument("--layers", default="all", help="'all' or comma-separated block indices, e.g. 0,3,-1 (default all)")
     p.add_argument("--format", default="saev", help="store format (any registered name; default saev)")
-    p.add_argument("--out", default=None, help="output root (default: the shards root, $SAEV_SCRATCH/saev/shards, else ./actlake-data/saev/shards)")
+    p.add_argument("--out", default=None, help="output root, a local path or an fsspec URL (s3://, gs://, memory://; docs/remote.md) (default: the shards root, $SAEV_SCRATCH/saev/shards, else ./actlake-data/saev/shards)")
     add_common_arguments(p)
     p.add_argument("--dtype", default=None, help="storage dtype float32|float16 (default: the format's)")
     p.add_argument("--model-dtype", default="float32", help="compute dtype float32|float16|bfloat16")
@@ -57,8 +57,20 @@ def run(args: argparse.Namespace) -> int:
 
     fields = DatasetFields(text=args.text_field, prompt=args.prompt_field, response=args.response_field,
                            label=args.label_field, id=args.id_field, split=args.dataset_split, masks=args.masks)
+    from ..remote.url import is_url, local_path
+
+    remote = args.out if is_url(args.out) else None
+    if remote is not None and args.num_machines != 1:
+        from ..errors import ConfigError
+
+        raise ConfigError("--out URL takes a whole store: extract the machine slices locally, merge them, and "
+                          "upload the merged store (docs/remote.md)")
+    if remote is not None:
+        from ..remote.publish import staging_dir
+
+        args.out = str(staging_dir(remote))
     cfg = ExtractConfig(
-        model=args.model, data=args.data, out=args.out or shards_root(), layers=args.layers, format=args.format,
+        model=args.model, data=args.data, out=local_path(args.out) if args.out else shards_root(), layers=args.layers, format=args.format,
         max_seq_len=args.max_seq_len, batch_size=args.batch_size, dtype=args.dtype, model_dtype=args.model_dtype,
         machine_id=args.machine_id, num_machines=args.num_machines, device=args.device, limit=args.limit,
         options=parse_options(args.option), fields=fields, padding_side=args.padding_side,
@@ -74,5 +86,10 @@ def run(args: argparse.Namespace) -> int:
     if result.run_dir != result.path:
         state = "complete (manifest written)" if result.complete else "waiting for the other machines' slices"
         print(f"run directory {result.run_dir}: {state}")
+    if remote is not None:
+        from ..remote.publish import publish_to
+
+        print(publish_to(remote, lambda _stage: result.path))
+        return 0
     print(result.path)
     return 0
