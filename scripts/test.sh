@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/system-packages.sh || echo "warning: Chromium could not be installed; the UI test will skip (CI fails)" >&2
-bash scripts/setup.sh test,interop,cluster
+bash scripts/setup.sh test,interop,cluster,remote
 .venv/bin/ruff check .   # the rule set is stated in pyproject.toml
 set +e
 .venv/bin/python -m pytest -q -n "${ACTLAKE_TEST_WORKERS:-2}" "$@"

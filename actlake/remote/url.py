@@ -67,6 +67,7 @@ class RemoteStore:
         when no checksums.json lies at the root or at a nested store root (an upload that never finished)."""
         fs, root = filesystem(url)
         store = cls(url.rstrip("/"), fs, root)
+        fs.invalidate_cache()  # a listing cached earlier in this process may predate an upload
         try:
             found = fs.find(root, detail=True)
         except FileNotFoundError:
