@@ -43,6 +43,19 @@ def parse_jsonl(data: bytes, source: Path) -> list[Any]:
     return [parse_json(line, source, f"line {n}") for n, line in enumerate(data.splitlines(), 1)]
 
 
+def refuse_oversized(paths: list[Path], *, max_bytes: int = MAX_JSON_BYTES) -> None:
+    """MetadataError naming the first existing file of `paths` larger than `max_bytes`: for metadata another
+    library (zarr-python) reads whole, with no cap of its own."""
+    for path in paths:
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            continue
+        if size > max_bytes:
+            raise MetadataError(f"{size} bytes is more than a metadata file may hold ({max_bytes}); refused unread",
+                                Path(path))
+
+
 def read_json(path: Path, *, max_bytes: int = MAX_JSON_BYTES) -> Any:
     """Parsed UTF-8 JSON of `path`; MissingFileError if absent, MetadataError if not JSON, larger than
     `max_bytes` (checked before reading), or nested too deeply to parse."""

@@ -244,3 +244,101 @@ def test_non_finite_values(stores: dict[str, Path], tmp_path: Path, fmt: str, po
     victim = poison(store, what)
     _reseal(store)
     _refused(cli("verify", str(store)), str(victim), "non-finite value (NaN or Inf)")
+
+
+# ---- 6. a data file replaced by a link to a right-sized file outside the store ----------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_data_file_replaced_by_a_link(stores: dict[str, Path], tmp_path: Path, fmt: str) -> None:
+    """The link is never followed: verify reports it, info and convert stop with a typed error naming it (saev
+    and zarr refuse any link in the store; lmprobe and pickle refuse a path leaving the root), nothing published."""
+    store = _copy(stores[fmt], tmp_path / "s")
+    victim = store / DATA_FILE[fmt]
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(victim.read_bytes())
+    victim.unlink()
+    victim.symlink_to(outside)
+    expect = "is a symbolic link" if fmt in ("saev", "zarr") else "escapes the dataset root"
+    _refused(cli("verify", str(store)), str(victim.relative_to(store)), expect)
+    _refused(cli("info", str(store)), str(store), expect)
+    out = tmp_path / "out"
+    _refused(cli("convert", str(store), "--to", "zarr" if fmt == "saev" else "saev", "--out", str(out)), expect)
+    assert _published(out) == []
+
+
+@pytest.mark.parametrize("fmt", ["saev", "zarr"])
+def test_link_swapped_in_after_open_is_refused_on_read(stores: dict[str, Path], tmp_path: Path, fmt: str) -> None:
+    """Data files are opened without following links (O_NOFOLLOW), so a link swapped in after the reader listed
+    the store is refused too, as an UnsafePathError naming it."""
+    import actlake
+    from actlake.errors import UnsafePathError
+
+    store = _copy(stores[fmt], tmp_path / "s")
+    reader = actlake.open(store)
+    victim = store / DATA_FILE[fmt]
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(victim.read_bytes())
+    victim.unlink()
+    victim.symlink_to(outside)
+    with pytest.raises(UnsafePathError, match="symbolic link") as info:
+        reader.get(0, reader.layers[0])
+    assert str(victim) in str(info.value)
+
+
+# ---- 7/8. saev provenance.json that is not a JSON object -------------------------------------------------------
+
+
+@pytest.mark.parametrize("content", ["{broken", "[" * 100_000, "[1, 2]", "\udcff"], ids=["broken", "deep", "list", "not-utf8"])
+def test_broken_saev_provenance(stores: dict[str, Path], tmp_path: Path, content: str) -> None:
+    """verify parses provenance.json (info reads it), so a broken one is a problem naming it even with
+    checksums.json rewritten over it; info stops with a typed error."""
+    store = _copy(stores["saev"], tmp_path / "s")
+    (store / "provenance.json").write_bytes(content.encode("utf-8", "surrogateescape"))
+    _reseal(store)
+    _refused(cli("verify", str(store)), str(store / "provenance.json"))
+    _refused(cli("info", str(store)), str(store / "provenance.json"))
+
+
+# ---- 12. a zarr chunk its declared codec cannot decode ---------------------------------------------------------
+
+
+def test_undecodable_blosc_chunk_is_typed(stores: dict[str, Path], tmp_path: Path) -> None:
+    """A store declaring blosc (read through the zarr API) whose chunk is garbage: info reads no chunk, convert
+    stops with a TruncatedFileError naming the array (not numcodecs' RuntimeError) and publishes nothing."""
+    store = _copy(stores["zarr"], tmp_path / "s")
+    array = store / "arrays" / "prompt_activations"
+    meta = json.loads((array / ".zarray").read_text())
+    meta["compressor"] = {"id": "blosc", "cname": "lz4", "clevel": 5, "shuffle": 1, "blocksize": 0}
+    (array / ".zarray").write_text(json.dumps(meta))
+    consolidated = json.loads((store / ".zmetadata").read_text())
+    consolidated["metadata"]["arrays/prompt_activations/.zarray"] = meta
+    (store / ".zmetadata").write_text(json.dumps(consolidated))
+    (array / "0.0.0.0").write_bytes(b"not blosc" * 8)
+    out = tmp_path / "out"
+    _refused(cli("convert", str(store), "--to", "saev", "--out", str(out)), str(array), "is unreadable",
+             "blosc decompression")
+    assert _published(out) == []
+    _refused(cli("verify", str(store)), str(array / "0.0.0.0"))
+
+
+# ---- 13. what a killed zarr merge left --------------------------------------------------------------------------
+
+
+def test_killed_zarr_merge_leftovers_are_removed_on_rerun(stores: dict[str, Path], tmp_path: Path) -> None:
+    """`.tmp-activations.zarr-<pid>` of a merge whose process is gone is removed by the next merge into the same
+    folder; a live process's temporary store is left alone."""
+    from actlake.formats.zarr_logger.merge import merge
+
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)  # a pid that no longer runs
+    out = tmp_path / "merged"
+    stale = out / f".tmp-activations.zarr-{dead}"
+    (stale / "arrays").mkdir(parents=True)
+    live = out / f".tmp-activations.zarr-{os.getppid()}"
+    live.mkdir()
+    store = merge([stores["zarr"]], out)
+    assert not stale.exists() and live.exists()
+    assert store == out / "activations.zarr" and store.is_dir()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from ...batch import Batch
 from ...errors import FormatError, MetadataError, MissingFileError, TruncatedFileError
 from ...jsonio import peek_json, read_json, read_jsonl
 from ...reader import Reader, TokenSegment
+from ...store_walk import open_regular, refuse_links
 from .metadata import FORMAT, IGNORE_LABEL, SaevMetadata, shard_name
 
 
@@ -50,6 +52,13 @@ def expected_shard_size(count: int, md: SaevMetadata) -> str:
     return f"{full} or {count * md.example_bytes} (truncated to its {count} examples)"
 
 
+def memmap_regular(path: Path, dtype: Any, shape: tuple[int, ...]) -> np.memmap:
+    """A read-only memmap of `path`, opened without following a link (a link swapped in after the reader
+    checked the directory is refused too: UnsafePathError naming it)."""
+    with os.fdopen(open_regular(path), "rb") as fh:
+        return np.memmap(fh, dtype=dtype, mode="r", shape=shape)
+
+
 class SaevReader(Reader):
     """Memmap reader of a saev 2.1 directory (spec section 4 coordinate transform)."""
 
@@ -60,6 +69,7 @@ class SaevReader(Reader):
         self.path = Path(path)
         if not self.path.is_dir():
             raise MissingFileError("not a directory", self.path)
+        refuse_links(self.path)  # a saev directory is flat: a linked file would be read as the store's own
         self.metadata = md = read_metadata(self.path)
         self.shard_counts = read_shards_json(self.path, md)
         self.layers = md.layers
@@ -99,7 +109,7 @@ class SaevReader(Reader):
             raise TruncatedFileError(f"size {size} bytes, expected {want} ({' x '.join(map(str, shape))} {np.dtype(dtype)})", f)
         if want == 0:
             return np.zeros(shape, dtype=dtype)
-        return np.memmap(f, dtype=dtype, mode="r", shape=shape)
+        return memmap_regular(f, dtype, shape)
 
     # ---- memmaps ----
     def shard(self, index: int) -> np.memmap:
@@ -108,8 +118,8 @@ class SaevReader(Reader):
         if mm is None:
             md = self.metadata
             count = self.shard_counts[index]
-            mm = np.memmap(self.path / shard_name(index), dtype=np.float32, mode="r",
-                           shape=(count, len(md.layers), md.tokens_per_ex, md.d_model))
+            mm = memmap_regular(self.path / shard_name(index), np.float32,
+                                (count, len(md.layers), md.tokens_per_ex, md.d_model))
             self._maps[index] = mm
         return mm
 
@@ -186,7 +196,10 @@ class SaevReader(Reader):
     @property
     def provenance(self) -> dict[str, Any]:
         f = self.path / "provenance.json"
-        out = dict(read_json(f)) if f.exists() else {}
+        out = read_json(f) if f.exists() else {}
+        if not isinstance(out, dict):
+            raise MetadataError("must hold a JSON object", f)
+        out = dict(out)
         # identity facts come from the hashed metadata.json; the unhashed provenance.json cannot override them
         out.update(ckpt=self.metadata.ckpt, family=self.metadata.family, dataset=self.metadata.dataset,
                    hash=self.metadata.hash)

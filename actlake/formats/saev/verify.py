@@ -89,10 +89,11 @@ def _verify_structure(path: Path, name: str) -> list[str]:
         return [*findings, str(exc)]
     if reader._sample_ids is not None and len(np.unique(reader.sample_ids)) != reader.n_samples:
         findings.append(f"{path / 'sample_ids.bin'}: sample ids are not unique")
-    try:
-        reader.texts
-    except FormatError as exc:
-        findings.append(str(exc))
+    for facts in ("texts", "provenance"):  # samples.jsonl and provenance.json parse (info reads both)
+        try:
+            getattr(reader, facts)
+        except FormatError as exc:
+            findings.append(str(exc))
     reader.close()
     return findings
 

@@ -6,11 +6,13 @@ import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ...errors import ConfigError, MissingFileError, TruncatedFileError
+from ...store_walk import open_regular
 from .layout import FD_CACHE_MAX
 
 
@@ -57,8 +59,8 @@ class FdCache:
                 entry[2] += 1
                 return entry
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+            fd = open_regular(Path(path))  # a chunk replaced by a link is refused, never followed
+        except MissingFileError:
             fd, size = -1, 0
         else:
             size = os.fstat(fd).st_size

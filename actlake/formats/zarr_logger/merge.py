@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ...atomic import publish_dir, remove_tree
+from ...atomic import publish_dir, remove_orphaned_tmp, remove_tree
 from ...checksums import write_checksums
 from ...errors import ConfigError, MetadataError
 from .base import ZarrReaderBase
@@ -67,6 +67,7 @@ def _merge(paths: list[Path], sources: list[ZarrReaderBase], out: Path) -> Path:
     final = out / STORE_NAME
     if final.exists():
         raise ConfigError("output store already exists", final)
+    remove_orphaned_tmp(out)  # what a killed merge left (its process is gone); a live merge's is left alone
     tmp = out / f".tmp-{STORE_NAME}-{os.getpid()}"
     remove_tree(tmp)
     n = len(ids)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -14,7 +15,8 @@ from .base import ReadTask, ZarrReaderBase, read_threads_for
 from .chunks import ChunkFiles, FdCache, missing_chunk
 from .layout import ACT_ARRAYS, META_ARRAYS, NATIVE_F16, REQUIRED_META, zarr_module
 from .meta import ArrayMeta, StoreMeta
-from ...jsonio import read_jsonl
+from ...jsonio import read_jsonl, refuse_oversized
+from ...store_walk import link_error, refuse_links
 
 #: coordinates one zarr-API gather builds at most (each is int64 per dimension)
 API_COORDS = 1 << 20
@@ -29,6 +31,19 @@ def _texts_column(rows: list[dict[str, Any]] | None, key: str) -> list[str] | No
     return [r.get(key) or "" for r in rows]
 
 
+#: what zarr-python and its codecs raise on a chunk it cannot decode (blosc, lz4 and zstd: RuntimeError; gzip:
+#: zlib.error or EOFError), turned into a TruncatedFileError naming the array
+CHUNK_ERRORS = (ValueError, KeyError, TypeError, OSError, RuntimeError, zlib.error, EOFError)
+
+
+def refuse_store_links(store: Path, arrays: Iterable[str] = ()) -> None:
+    """UnsafePathError naming the first link in the store's folders (`arrays`: the array folders, chunk files
+    included; one listing each, about 40 ms per 100,000 chunks). Chunk files are also opened without
+    following links (O_NOFOLLOW on the direct path, a check before each zarr API read): a link swapped in later."""
+    for folder in (store, store / "arrays", store / "text", *(store / "arrays" / name for name in arrays)):
+        refuse_links(folder)
+
+
 class ZarrReader(ZarrReaderBase):
     """Reader of one store, opened read-only with consolidated metadata; handles are per process."""
 
@@ -36,7 +51,9 @@ class ZarrReader(ZarrReaderBase):
                  fd_cache: FdCache | None = None) -> None:
         self.path = Path(path)
         self.read_threads = read_threads_for(read_threads)
+        refuse_store_links(self.path)
         self.meta = meta = StoreMeta.load(self.path)
+        refuse_store_links(self.path, meta.arrays)
         self._fds = FdCache() if fd_cache is None else fd_cache
         self.layers = meta.layers
         self.d_model = meta.hidden_size
@@ -77,6 +94,8 @@ class ZarrReader(ZarrReaderBase):
     def root(self) -> Any:
         """The zarr group, opened read-only from consolidated metadata, once per process."""
         if self._root is None or self._pid != os.getpid():
+            refuse_oversized([folder / name for folder in (self.path, self.path / "arrays")
+                              for name in (".zgroup", ".zattrs", ".zmetadata")])
             try:
                 self._root = zarr_module().open_consolidated(str(self.path), mode="r", zarr_format=2)
             except (ValueError, KeyError, TypeError, OSError) as exc:
@@ -91,7 +110,7 @@ class ZarrReader(ZarrReaderBase):
         """A whole per-sample array (validated to shape (N,) by StoreMeta)."""
         try:
             return np.asarray(self.root["arrays"][name][:])
-        except (ValueError, KeyError, TypeError, OSError) as exc:
+        except CHUNK_ERRORS as exc:
             raise FormatError(f"unreadable array: {exc}", self.path / "arrays" / name) from exc
 
     def _array(self, part: str) -> Any:
@@ -111,6 +130,8 @@ class ZarrReader(ZarrReaderBase):
                     path = folder / sep.join(map(str, (sample // ch[0], li // ch[1], c, h)))
                     if not os.path.lexists(path):
                         raise missing_chunk(path, sample, li, c, ch[2])
+                    if os.path.islink(path):  # zarr-python would follow it
+                        raise link_error(path)
 
     def _api_error(self, part: str, what: str, exc: Exception) -> TruncatedFileError:
         return TruncatedFileError(f"chunk of {what} is unreadable: {exc}", self.path / "arrays" / part)
@@ -126,7 +147,7 @@ class ZarrReader(ZarrReaderBase):
         self._require_chunks(part, [(sample, li, t0, t1)])
         try:
             out[...] = self._array(part)[sample, li, t0:t1, :]
-        except (ValueError, KeyError, TypeError, OSError) as exc:
+        except CHUNK_ERRORS as exc:
             raise self._api_error(part, f"sample {sample} layer position {li}", exc) from exc
 
     def _read_rows(self, part: str, samples: np.ndarray, li: int, tokens: np.ndarray, out: np.ndarray) -> None:
@@ -142,7 +163,7 @@ class ZarrReader(ZarrReaderBase):
                 s, t = samples[a : a + step, None], tokens[a : a + step, None]
                 try:
                     out[a : a + step] = self._array(part).vindex[s, np.full_like(s, li), t, cols]
-                except (ValueError, KeyError, TypeError, OSError) as exc:
+                except CHUNK_ERRORS as exc:
                     raise self._api_error(part, f"layer position {li}", exc) from exc
             return
         threads = self.read_threads
@@ -179,7 +200,7 @@ class ZarrReader(ZarrReaderBase):
                 samples = np.array([s for s, _, _, _ in block], dtype=np.int64)
                 try:
                     got = self._array(part).get_orthogonal_selection((samples, li, slice(0, t_max), slice(None)))
-                except (ValueError, KeyError, TypeError, OSError) as exc:
+                except CHUNK_ERRORS as exc:
                     raise self._api_error(part, f"layer position {li}", exc) from exc
                 for k, (_, _, n, view) in enumerate(block):
                     view[:n] = got[k, :n]
