@@ -155,14 +155,16 @@ def test_flipped_byte_in_a_remote_object_is_found(stores: dict[str, tuple[Path, 
         assert main(["info", "--verify", copy]) == 2
 
 
-def test_incomplete_upload_is_refused(stores: dict[str, tuple[Path, str]], s3: str,
-                                      capsys: pytest.CaptureFixture) -> None:
+def test_incomplete_upload_is_refused(stores: dict[str, tuple[Path, str]], s3: str, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(An empty cache: a saev store whose content hash is cached is read from the cache without a request.)"""
     import actlake
     from actlake.cli import main
     from actlake.errors import IncompleteUploadError
 
     from actlake.remote.publish import upload_store
 
+    monkeypatch.setenv("ACTLAKE_CACHE", str(tmp_path / "empty-cache"))
     fs, _ = _object(s3)
     for fmt in FORMATS:
         local, _url = stores[fmt]
@@ -181,7 +183,9 @@ def test_published_remote_store_is_immutable(stores: dict[str, tuple[Path, str]]
     from actlake.errors import FormatError
     from actlake.remote.publish import upload_store
 
-    local, url = stores["lmprobe"]
+    local, _ = stores["lmprobe"]
+    url = f"{s3}/immutable/{local.name}"
+    assert upload_store(local, url) == url
     assert upload_store(local, url) == url  # the same store again: nothing to do
     other = tmp_path / local.name
     shutil.copytree(stores["saev"][0], other)

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 from pathlib import Path
 
 from ..errors import HashMismatchError
 from .publish import cache_root
 from .url import CHECKSUMS, RemoteStore
+
+
+HASH_NAME = re.compile(r"[0-9a-f]{64}")
 
 
 def download(store: RemoteStore, dest: Path) -> None:
@@ -27,6 +31,13 @@ def saev_cache_dir(name: str) -> Path:
     return cache_root() / "saev" / "shards" / name
 
 
+def cached_by_name(url: str) -> Path | None:
+    """The cached copy of a URL whose last component is a content hash (as actlake publishes saev stores), when it
+    is in the cache (it was checked when it was filled): found with no request to the remote."""
+    named = saev_cache_dir(url.rstrip("/").rsplit("/", 1)[-1])
+    return named if HASH_NAME.fullmatch(named.name) and named.is_dir() else None
+
+
 def cached_saev(url: str) -> Path:
     """The local copy of the remote saev store at `url`, downloaded on first use.
 
@@ -34,11 +45,14 @@ def cached_saev(url: str) -> Path:
     computed here, not read from the URL. A first use downloads into `.tmp-<hash>-<pid>` beside it, checks every
     file against checksums.json and the name against the metadata (the local saev verify of the copy, so a
     flipped byte or a missing file is a typed error naming it), then renames it into place; a later use is a
-    pure local read."""
+    pure local read: a URL whose last component is a content hash already in the cache is not contacted."""
     from ..atomic import make_read_only, remove_tree
     from ..checksums import check_store
     from ..formats.saev.metadata import metadata_hash
 
+    named = cached_by_name(url)
+    if named is not None:
+        return named
     store = RemoteStore.open(url)
     if not store.has(CHECKSUMS):
         from ..errors import IncompleteUploadError

@@ -185,7 +185,17 @@ class RemoteLmprobeReader(_Remote, LmprobeReader):
         dest[...] = self.tensor(layer, shard)[first_row : first_row + len(dest)]
 
     def token_segments(self, layer: int) -> list[Any]:
-        return Reader.token_segments(self, layer)  # rows read into memory (no memmap of a remote file)
+        """Every token row of the layer in memory: each shard's tensor fetched in one request (not one per sample)."""
+        self.layer_index(layer)
+        saved = dict(self._maps)
+        try:
+            for key in [k for k in self._files if k[0] == layer]:
+                rows, info = self._mapped(*key)
+                self._maps[key] = (np.asarray(rows), info)
+            return Reader.token_segments(self, layer)
+        finally:
+            self._maps.clear()
+            self._maps.update(saved)
 
 
 class RemotePickleReader(_Remote, PickleReader):
@@ -250,6 +260,13 @@ def require_marker(store: RemoteStore) -> None:
 def open_remote(url: str, format: str | None = None, *, verify: bool = False) -> Reader:
     """The Reader of the remote store at `url`; `verify=True` first checks every byte against checksums.json
     (a typed error naming the first file that does not match)."""
+    from .cache import cached_by_name
+
+    cached = cached_by_name(url) if format in (None, "saev") else None
+    if cached is not None:  # a saev store's second open: a pure local read
+        from ..formats import open_store
+
+        return open_store(cached, "saev", verify=verify)
     store = RemoteStore.open(url)
     name, root = detect(store)
     if format is not None and format != name:
