@@ -44,3 +44,12 @@ def write_saev(root: Path, acts_bltd: np.ndarray, *, layers: tuple[int, ...], le
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
+
+
+def flip_bit(path: Path, offset: int) -> None:
+    """Flip the lowest bit of one byte of `path` (size, names and structure unchanged)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))

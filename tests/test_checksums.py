@@ -20,7 +20,7 @@ from actlake.errors import HashMismatchError, MissingFileError
 from actlake.formats import pickle_shards, zarr_logger
 from actlake.verification import VerifyWarning
 
-from .conftest import write_saev
+from .conftest import flip_bit, write_saev
 
 FORMATS = ["saev", "zarr", "lmprobe", "pickle"]
 LAYERS = (1, 4)
@@ -117,13 +117,6 @@ def _writable(path: Path) -> None:
     make_writable(path)
 
 
-def _flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
-
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_flipped_byte_fails_verify_and_open_verify(tmp_path: Path, source: Path, fmt: str) -> None:
@@ -131,7 +124,7 @@ def test_flipped_byte_fails_verify_and_open_verify(tmp_path: Path, source: Path,
     _writable(out)
     root = store_root(out, fmt)
     victim = _data_file(root, fmt)
-    _flip(victim, os.path.getsize(victim) - 3)
+    flip_bit(victim, os.path.getsize(victim) - 3)
     problems = actlake.verify(out)
     assert any(str(victim) in p and "does not match checksums.json" in p for p in problems), problems
     with pytest.raises(HashMismatchError) as exc:

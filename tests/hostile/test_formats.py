@@ -125,9 +125,10 @@ def test_huge_sparse_metadata_is_refused_unread(stores: dict[str, Path], tmp_pat
         _refused(cli(command, str(store)), name, "more than a")
 
 
-def test_non_utf8_samples_jsonl(stores: dict[str, Path], tmp_path: Path) -> None:
-    store = _copy(stores["saev"], tmp_path / "s")
-    lines = (store / "samples.jsonl").read_bytes().splitlines(keepends=True)
-    (store / "samples.jsonl").write_bytes(b"".join([lines[0].replace(b"one", b"\xff\xfe"), *lines[1:]]))
-    _refused(cli("verify", str(store)), "samples.jsonl")
-    _refused(cli("info", str(store)), "samples.jsonl")
+@pytest.mark.parametrize("fmt,name", [("saev", "samples.jsonl"), ("zarr", "text/prompts.jsonl")])
+def test_non_utf8_text_lines(stores: dict[str, Path], tmp_path: Path, fmt: str, name: str) -> None:
+    store = _copy(stores[fmt], tmp_path / "s")
+    lines = (store / name).read_bytes().splitlines(keepends=True)
+    (store / name).write_bytes(b"".join([lines[0].replace(b"one", b"\xff\xfe"), *lines[1:]]))
+    _refused(cli("verify", str(store)), name, "line 1 is not valid UTF-8")
+    _refused(cli("info", str(store)), name, "line 1 is not valid UTF-8")

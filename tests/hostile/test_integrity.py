@@ -12,6 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from ..conftest import flip_bit
 from .test_formats import LMPROBE_INDEX, _copy, _refused, cli, extract_stores
 
 #: a data file of each store `extract_stores` writes (one layer, five samples)
@@ -23,15 +24,6 @@ FORMATS = list(DATA_FILE)
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return extract_stores(tmp_path_factory.mktemp("integrity"))
-
-
-def _flip(path: Path, offset: int) -> None:
-    """Flip the lowest bit of one byte (size, names and structure unchanged)."""
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
 
 
 def _ok(result) -> str:
@@ -48,7 +40,7 @@ def test_flipped_byte_in_a_data_file(stores: dict[str, Path], tmp_path: Path, fm
     """verify: a problem naming the file (checksums.json); `info --verify` (open(verify=True)): a typed error."""
     store = _copy(stores[fmt], tmp_path / "s")
     victim = store / DATA_FILE[fmt]
-    _flip(victim, min(100, os.path.getsize(victim) - 1))
+    flip_bit(victim, min(100, os.path.getsize(victim) - 1))
     _refused(cli("verify", str(store)), str(victim), "does not match checksums.json")
     _refused(cli("info", "--verify", str(store)), str(victim), "does not match checksums.json")
 
@@ -130,7 +122,7 @@ def test_corrupted_pickle_shard_is_refused_before_unpickling(stores: dict[str, P
     error naming the shard and publishes nothing; verify reports it."""
     store = _copy(stores["pickle"], tmp_path / "s")
     shard = store / "shard_0001.pkl.gz"
-    _flip(shard, os.path.getsize(shard) // 2)
+    flip_bit(shard, os.path.getsize(shard) // 2)
     _reseal(store)
     out = tmp_path / "out"
     _refused(cli("convert", str(store), "--to", "saev", "--out", str(out)), str(shard), "does not match metadata.json",
