@@ -230,3 +230,24 @@ def test_run_directory_links_the_cache_of_remote_shards(stores: dict[str, tuple[
     check_links(Run(run))  # the recorded shard hash is the cache's name, and the name is still its metadata's hash
     assert main(["infer", "--run", str(run), "--device", "cpu"]) == 0
     assert (run / "inference" / local.name / "patch_acts.npz").is_file()
+
+
+@pytest.mark.parametrize("key", ["../../escape.bin", "a/../../escape.bin", "./x.bin", "a//x.bin"])
+def test_object_key_leaving_the_store_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 key: str) -> None:
+    """An object key is any string: one a download would write outside its folder is refused on listing, before
+    anything is fetched (open, verify and the saev cache all list first)."""
+    import actlake
+    from actlake.errors import UnsafePathError
+    from fsspec import filesystem
+
+    fs = filesystem("memory")
+    root = f"/hostile-{abs(hash(key))}"
+    fs.pipe(f"{root}/checksums.json", b'{"files": []}')
+    fs.pipe(f"{root}/{key}", b"x")
+    monkeypatch.setenv("ACTLAKE_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(UnsafePathError, match="leaves the store"):
+        actlake.open(f"memory://{root}")
+    with pytest.raises(UnsafePathError, match="leaves the store"):
+        actlake.verify(f"memory://{root}")
+    assert not (tmp_path / "escape.bin").exists()

@@ -52,6 +52,17 @@ def relative(relative_path: str, source: str) -> str:
     return norm
 
 
+def listed_key(path: str, root: str, url: str) -> str:
+    """The relative path of a listed object. An object key is any string: one with an empty, `.` or `..`
+    component or a backslash (which a download would write outside its folder) is refused, UnsafePathError."""
+    raw = path.rstrip("/")
+    rel = raw[len(root) + 1 :] if raw.startswith(root + "/") else posixpath.relpath(raw, root)
+    if not rel or "\\" in rel or any(part in ("", ".", "..") for part in rel.split("/")):
+        raise UnsafePathError(f"object key {rel!r} leaves the store or has an empty, '.' or '..' component; "
+                              "refused", url)
+    return rel
+
+
 @dataclass
 class RemoteStore:
     """One store at a URL: its filesystem, its root on it, and the sizes of every object under the root."""
@@ -74,7 +85,7 @@ class RemoteStore:
             found = {}
         for path, info in found.items():
             if info.get("type", "file") == "file":
-                store.sizes[posixpath.relpath(path.rstrip("/"), root)] = int(info.get("size") or 0)
+                store.sizes[listed_key(path, root, store.url)] = int(info.get("size") or 0)
         if not store.sizes:
             raise MissingFileError("nothing is stored at this URL", store.url)
         if require_checksums and not store.checksum_roots():
