@@ -21,7 +21,7 @@ from ..formats.pickle_shards.metadata import PickleMetadata, ShardInfo
 from ..formats.pickle_shards.reader import PickleReader
 from ..formats.pickle_shards.shard_io import check_sha256, expected_sha256, load_shard_stream
 from ..formats.zarr_logger.chunks import FdCache, missing_chunk
-from ..formats.zarr_logger.layout import REQUIRED_META, STORE_NAME, zarr_module
+from ..formats.zarr_logger.layout import ACT_ARRAYS, STORE_NAME, zarr_module
 from ..formats.zarr_logger.meta import StoreMeta
 from ..formats.zarr_logger.reader import ZarrReader
 from ..jsonio import parse_jsonl
@@ -61,18 +61,8 @@ class RemoteZarrReader(_Remote, ZarrReader):
         self.layers, self.d_model, self.n_samples = meta.layers, meta.hidden_size, meta.n_samples
         self.max_tokens, self.r_max = meta.p_max, meta.r_max
         self._pid, self._root, self._cache = -1, None, {}
-        self._direct = {name: None for name in meta.arrays if name.endswith("_activations")}
-        small = {name: self._load_small(name) for name in meta.arrays if name not in self._direct}
-        for name in REQUIRED_META:
-            values = small[name].astype(np.int64)
-            cap = meta.p_max if name == "prompt_len" else meta.r_max
-            if len(values) and (values.min() < 0 or values.max() > cap):
-                raise MetadataError(f"values outside [0, {cap}]", store.where(f"arrays/{name}"))
-        for name in ("sample_id", "label"):
-            if name in small:
-                small[name] = small[name].astype(np.int64)
-        self._prompt_len, self._response_len = small["prompt_len"].astype(np.int64), small["response_len"].astype(np.int64)
-        self._small = small
+        self._direct = {name: None for name in ACT_ARRAYS}
+        self._load_columns(store.where("arrays"))
 
     @property
     def root(self) -> Any:

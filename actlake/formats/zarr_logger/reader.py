@@ -64,12 +64,18 @@ class ZarrReader(ZarrReaderBase):
         self._root: Any = None
         self._cache: dict[str, Any] = {}  # decoded per-sample columns, computed once
         self._direct = {name: self._chunk_files(meta.arrays[name]) if fast else None for name in ACT_ARRAYS}
+        self._load_columns(self.path / "arrays")
+
+    def _load_columns(self, arrays: Path | str) -> None:
+        """The small per-sample arrays, loaded whole and checked (lengths within P_max / R_max; errors name
+        `arrays`/<name>)."""
+        meta = self.meta
         small = {name: self._load_small(name) for name in META_ARRAYS if name in meta.arrays}
         for name in REQUIRED_META:
             values = small[name].astype(np.int64)
             cap = meta.p_max if name == "prompt_len" else meta.r_max
             if len(values) and (values.min() < 0 or values.max() > cap):
-                raise FormatError(f"values outside [0, {cap}]", self.path / "arrays" / name)
+                raise MetadataError(f"values outside [0, {cap}]", f"{arrays}/{name}")
         for name in ("sample_id", "label"):
             if name in small:
                 small[name] = small[name].astype(np.int64)
